@@ -1,0 +1,29 @@
+"""Shared test fixtures: where the golden tensors live.
+
+The golden directory is `../shared/golden` next to the repository root (CI lays it there), or the
+path in `DEEPSEEK_V41_GOLDEN`. A missing golden directory is an error, not a skip: the parity
+tests are the point of the suite.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def golden_dir() -> Path:
+    path = Path(os.environ.get("DEEPSEEK_V41_GOLDEN", REPO_ROOT.parent / "shared" / "golden"))
+    if not (path / "MANIFEST.json").is_file():
+        raise RuntimeError(
+            f"golden fixtures not found at {path}; set DEEPSEEK_V41_GOLDEN to the shared/golden directory"
+        )
+    return path
+
+
+@pytest.fixture(scope="session")
+def golden() -> Path:
+    return golden_dir()
