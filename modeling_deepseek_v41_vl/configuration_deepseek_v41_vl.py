@@ -216,6 +216,11 @@ class DeepseekV41TextConfig(PretrainedConfig):
         engram_*: Engram n-gram memory; `engram_pad_token_id` is the reference `engram_pad_id`.
         dspark_*: the DSpark/MTP draft head (weights are skipped; kept for round trips).
         numerics (`str`): ``"fast"`` (default) or ``"exact"`` (every rounding point of the reference).
+        weight_dtype (`str`): storage of the quantizable linears (`ModelArgs.dtype`): ``"fp8"``
+            (e4m3 + e8m0 32x32 block scales, the release) or ``"bf16"``. The composite config
+            sets it from `quantization_config`.
+        expert_weight_dtype (`str`): storage of the routed experts (`ModelArgs.expert_dtype`):
+            ``"fp4"`` (the release), ``"fp8"`` or ``"bf16"``.
     """
 
     model_type = "deepseek_v41_text"
@@ -280,6 +285,8 @@ class DeepseekV41TextConfig(PretrainedConfig):
         hidden_act: str = "silu",
         topk_method: str = "noaux_tc",
         numerics: str = "fast",
+        weight_dtype: str = "fp8",
+        expert_weight_dtype: str = "fp4",
         initializer_range: float = 0.02,
         use_cache: bool = True,
         bos_token_id: int = 0,
@@ -358,6 +365,8 @@ class DeepseekV41TextConfig(PretrainedConfig):
         self.hidden_act = hidden_act
         self.topk_method = topk_method
         self.numerics = numerics
+        self.weight_dtype = weight_dtype
+        self.expert_weight_dtype = expert_weight_dtype
         self.initializer_range = initializer_range
         self.use_cache = use_cache
         super().__init__(
@@ -372,6 +381,12 @@ class DeepseekV41TextConfig(PretrainedConfig):
     # -- derived layer roles (`inference/model.py: Attention.__init__`, `Indexer.__init__`) --
     def validate_layout(self) -> None:
         """Raise :class:`DeepseekV41ConfigError` when the layer schedule is inconsistent."""
+        if self.weight_dtype not in ("fp8", "bf16"):
+            raise DeepseekV41ConfigError(f"weight_dtype must be 'fp8' or 'bf16', got {self.weight_dtype!r}")
+        if self.expert_weight_dtype not in ("fp4", "fp8", "bf16"):
+            raise DeepseekV41ConfigError(
+                f"expert_weight_dtype must be 'fp4', 'fp8' or 'bf16', got {self.expert_weight_dtype!r}"
+            )
         if self.numerics not in NUMERICS_MODES:
             raise DeepseekV41ConfigError(f"numerics must be one of {NUMERICS_MODES}, got {self.numerics!r}")
         n_total = self.num_hidden_layers + self.num_nextn_predict_layers
@@ -439,7 +454,8 @@ class DeepseekV41Config(PretrainedConfig):
         image_token_id (`int`, defaults to 129264): the id every image-span position carries.
         quantization_config (`dict`, *optional*): weight storage; `{"quant_method": "fp8",
             "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4", ...}` for
-            the released checkpoint, absent for bf16 weights.
+            the released checkpoint, absent (None) for bf16 weights. It sets
+            `text_config.weight_dtype` / `expert_weight_dtype`.
         numerics (`str`, *optional*): sets `text_config.numerics` (``"fast"`` or ``"exact"``), so
             `from_pretrained(..., numerics="exact")` works.
 
@@ -491,7 +507,14 @@ class DeepseekV41Config(PretrainedConfig):
             )
         if numerics is not None:
             text_config.numerics = numerics
-            text_config.validate_layout()
+        # The storage of the linears follows the checkpoint's quantization_config, so modules
+        # only ever read text_config.weight_dtype / expert_weight_dtype.
+        if quantization_config is not None:
+            text_config.weight_dtype = "fp8"
+            text_config.expert_weight_dtype = quantization_config.get("expert_dtype") or "fp8"
+        else:
+            text_config.weight_dtype = text_config.expert_weight_dtype = "bf16"
+        text_config.validate_layout()
         self.text_config = text_config
         self.vision_config = vision_config
         self.image_token_id = image_token_id
