@@ -1,0 +1,690 @@
+"""Image processor of DeepSeek-V4.1-Flash (vision input), bit-exact with the reference.
+
+Mirrors `inference/image_processor.py` of the official release (`plan_image_grid`, `safe_resize`,
+`solve_resize_ratio`, `llm_grid`, `load_image`). An image of size (width, height) becomes:
+
+- a pixel size (best_width, best_height), multiples of `patch_size`, chosen from the ORIGINAL size
+  alone by :func:`plan_image_grid`;
+- a ViT patch grid n_vit_h x n_vit_w = best_height/patch_size x best_width/patch_size;
+- an LLM token grid n_llm_h x n_llm_w = ceil(n_vit / downsample_ratio) per side, which costs
+  n_llm_h * (n_llm_w + 1) + 2 positions in the prompt (one IMAGE_NEW_LINE per row plus
+  IMAGE_START / IMAGE_END).
+
+Pixels: Pillow decode, first frame, `convert("RGB")`; `ImageOps.pad` (BICUBIC contain, centred on
+a gray canvas) to the planned size; float32 /255; (x - mean) / std; patches in the order
+(grid_y, grid_x, channel, y, x). The reference casts to bf16 right after normalising; the float32
+values returned here are the ones it casts, so `pixel_values.to(torch.bfloat16)` equals its patches
+bit for bit (checked against the golden fixtures for Pillow 13.0.0).
+
+The planning arithmetic deliberately keeps the reference's float64 expressions and their order:
+in some cases (e.g. 398x618 with a 64-token budget) they land one patch below the exact rational
+answer, and the model was run with the float answer.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+import operator
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
+from transformers.processing_utils import ImagesKwargs
+
+from .errors_deepseek_v41_vl import (
+    DeepseekV41ImageError,
+    DeepseekV41ImagePlanError,
+    DeepseekV41ImageTooLargeError,
+    DeepseekV41ProcessingError,
+)
+
+# Pillow's own hard limit with its default settings (2 * Image.MAX_IMAGE_PIXELS): the largest image
+# the reference can decode, so the default cap refuses nothing the reference accepts.
+DEFAULT_MAX_IMAGE_PIXELS = 2 * (1024 * 1024 * 1024 // 4 // 3)
+
+# The smallest span, a 1x1 token grid: IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END.
+MIN_IMAGE_TOKENS = 4
+
+EXIF_ORIENTATION_POLICIES = ("ignore", "apply")
+
+ImageSource = str | os.PathLike | bytes | bytearray | memoryview | BinaryIO | Image.Image
+
+
+# --------------------------------------------------------------------------------------------
+# Planning: a pure function of the original size.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    """Resize plan of one image (`inference/image_processor.py: plan_image_grid` plus derived sizes).
+
+    Attributes:
+        n_llm_h, n_llm_w (`int`): LLM token grid after the aligner's ratio x ratio merge.
+        best_height, best_width (`int`): pixel size the image is padded/resized to (multiples of
+            the patch size).
+        n_vit_h, n_vit_w (`int`): ViT patch grid, best_height // patch, best_width // patch.
+        num_image_tokens (`int`): prompt positions of the image span, n_llm_h * (n_llm_w + 1) + 2.
+    """
+
+    n_llm_h: int
+    n_llm_w: int
+    best_height: int
+    best_width: int
+    n_vit_h: int
+    n_vit_w: int
+    num_image_tokens: int
+
+    @property
+    def num_patches(self) -> int:
+        """Rows of `pixel_values` this image contributes: n_vit_h * n_vit_w."""
+        return self.n_vit_h * self.n_vit_w
+
+
+def image_span_length(n_llm_h: int, n_llm_w: int) -> int:
+    """Prompt positions of an image span: one IMAGE_NEW_LINE per row, plus START and END.
+
+    Mirrors `inference/image_processor.py: num_image_tokens`.
+    """
+    return n_llm_h * (n_llm_w + 1) + 2
+
+
+def llm_grid_from_vit_grid(n_vit_h: int, n_vit_w: int, downsample_ratio: int) -> tuple[int, int]:
+    """LLM token grid (n_llm_h, n_llm_w) = ceil(n_vit / downsample_ratio) per side.
+
+    Mirrors `inference/image_processor.py: llm_grid` (which takes pixel sizes); integer ceiling,
+    equal to the reference's float ceiling for any realistic grid.
+    """
+    return -(-n_vit_h // downsample_ratio), -(-n_vit_w // downsample_ratio)
+
+
+def _llm_grid(best_height, best_width, patch_size, downsample_ratio):
+    # Same float expression as the reference's `llm_grid`.
+    return (
+        math.ceil((best_height // patch_size) / downsample_ratio),
+        math.ceil((best_width // patch_size) / downsample_ratio),
+    )
+
+
+def _solve_resize_ratio(height, width, patch_size, downsample_ratio, max_image_tokens):
+    """Largest aspect-preserving (height, width) whose token grid fits; `solve_resize_ratio`.
+
+    The token count h * (w + 1) + 2 with h = w * rho is solved for w in float64; each expression is
+    evaluated exactly as in the reference (operands, operators and order), float artifacts included.
+    """
+    rho = height / width
+    max_w_float = math.sqrt((max_image_tokens - 2) / rho + 0.25) - 0.5
+    max_h_float = max_w_float * rho
+    cell = patch_size * downsample_ratio
+    if max_w_float < 1.0:
+        # Too tall for even one column at full height: one column of (budget - 2) // 2 rows.
+        return (max_image_tokens - 2) // 2 * cell, cell
+    if max_h_float < 1.0:
+        # Too wide for even one row: one row of (budget - 3) cells.
+        return cell, (max_image_tokens - 3) * cell
+    beta = min(math.floor(max_w_float) * cell / width, math.floor(max_h_float) * cell / height)
+    return math.floor(height * beta / patch_size) * patch_size, math.floor(width * beta / patch_size) * patch_size
+
+
+def plan_image_grid(
+    width: int,
+    height: int,
+    *,
+    patch_size: int = 14,
+    downsample_ratio: int = 3,
+    max_image_tokens: int = 1024,
+    min_pixels: int = 295936,
+    max_wh_ratio: float | None = None,
+) -> ImagePlan:
+    """Resize plan for an image of the given original size (no pixels needed).
+
+    Mirrors `inference/image_processor.py: plan_image_grid` + `safe_resize` + `solve_resize_ratio`:
+
+    1. if `max_wh_ratio` is set and width > height * max_wh_ratio, width = height * max_wh_ratio;
+    2. if width * height < min_pixels, scale both sides by sqrt(min_pixels / area), truncating;
+    3. round each side up to a multiple of `patch_size`;
+    4. if the token span exceeds `max_image_tokens`, shrink to the largest aspect-preserving size
+       that fits (computed from the step-2 sizes, not the rounded ones).
+
+    Args:
+        width, height (`int`): original image size in pixels, both > 0.
+        patch_size, downsample_ratio, max_image_tokens, min_pixels, max_wh_ratio: the vision
+            settings (`DeepseekV41VisionConfig` fields of the same names).
+
+    Returns:
+        :class:`ImagePlan`.
+
+    Raises:
+        DeepseekV41ImageError: width or height is not a positive integer.
+        DeepseekV41ImagePlanError: no grid fits `max_image_tokens` (fewer than 4 tokens; the
+            reference asserts or returns an empty grid).
+    """
+    try:
+        width, height = operator.index(width), operator.index(height)
+    except TypeError as err:
+        raise DeepseekV41ImageError(f"image size must be integers, got width={width!r}, height={height!r}") from err
+    if width <= 0 or height <= 0:
+        raise DeepseekV41ImageError(f"image has zero area: {width}x{height} pixels (width x height)")
+    if max_image_tokens < MIN_IMAGE_TOKENS:
+        raise DeepseekV41ImagePlanError(
+            f"image {width}x{height} cannot fit max_image_tokens={max_image_tokens}: the smallest image span "
+            f"(a 1x1 token grid) takes {MIN_IMAGE_TOKENS} tokens"
+        )
+    original = (width, height)
+
+    p = patch_size
+    if max_wh_ratio is not None and width > height * max_wh_ratio:
+        width = height * max_wh_ratio
+    if 0 < width * height < min_pixels:
+        # `** 0.5` (libm pow), not math.sqrt: the reference's expression.
+        ratio = (min_pixels / (width * height)) ** 0.5
+        width = int(width * ratio)
+        height = int(height * ratio)
+    best_width = math.ceil(width / p) * p
+    best_height = math.ceil(height / p) * p
+
+    n_llm_h, n_llm_w = _llm_grid(best_height, best_width, p, downsample_ratio)
+    if image_span_length(n_llm_h, n_llm_w) > max_image_tokens:
+        best_height, best_width = _solve_resize_ratio(height, width, p, downsample_ratio, max_image_tokens)
+        n_llm_h, n_llm_w = _llm_grid(best_height, best_width, p, downsample_ratio)
+    num_tokens = image_span_length(n_llm_h, n_llm_w)
+    if num_tokens > max_image_tokens or best_height <= 0 or best_width <= 0:
+        raise DeepseekV41ImagePlanError(
+            f"image {original[0]}x{original[1]}: no patch grid fits max_image_tokens={max_image_tokens} "
+            f"(planned {best_width}x{best_height} pixels, {num_tokens} tokens)"
+        )
+    return ImagePlan(
+        n_llm_h=n_llm_h,
+        n_llm_w=n_llm_w,
+        best_height=best_height,
+        best_width=best_width,
+        n_vit_h=best_height // p,
+        n_vit_w=best_width // p,
+        num_image_tokens=num_tokens,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding.
+# --------------------------------------------------------------------------------------------
+
+
+def _read_source(src: Any, allow_urls: bool) -> bytes | Image.Image:
+    """The encoded bytes of `src` (or `src` itself when it is already a PIL image)."""
+    if isinstance(src, Image.Image):
+        return src
+    if isinstance(src, (bytes, bytearray, memoryview)):
+        return bytes(src)
+    if hasattr(src, "read"):
+        data = src.read()
+        if not isinstance(data, (bytes, bytearray)):
+            raise DeepseekV41ImageError(f"file object must be opened in binary mode, read() gave {type(data).__name__}")
+        return bytes(data)
+    if isinstance(src, os.PathLike):
+        src = os.fspath(src)
+    if isinstance(src, str):
+        if src.startswith(("http://", "https://")):
+            if not allow_urls:
+                raise DeepseekV41ImageError(
+                    f"refusing to fetch image URL {src!r}: network access is off by default; pass allow_urls=True "
+                    "or download the image and pass its bytes or path"
+                )
+            from urllib.request import urlopen
+
+            try:
+                with urlopen(src, timeout=30) as response:
+                    return response.read()
+            except OSError as err:  # URLError, HTTPError, timeouts
+                raise DeepseekV41ImageError(f"cannot fetch image URL {src!r}: {err}") from err
+        if src.startswith("data:"):
+            header, _, payload = src.partition(",")
+            if ";base64" not in header:
+                raise DeepseekV41ImageError(f"unsupported data URL encoding {header!r}: only base64 data URLs are read")
+            try:
+                return base64.b64decode(payload, validate=True)
+            except ValueError as err:
+                raise DeepseekV41ImageError(f"data URL payload is not valid base64: {err}") from err
+        try:
+            with open(src, "rb") as file:
+                return file.read()
+        except OSError as err:
+            raise DeepseekV41ImageError(f"cannot read image file {src!r}: {err}") from err
+    raise DeepseekV41ImageError(
+        f"unsupported image input of type {type(src).__name__}: pass a path, bytes, a binary file object or a PIL image"
+    )
+
+
+def load_image(
+    src: ImageSource,
+    *,
+    max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+    exif_orientation: str = "ignore",
+    allow_urls: bool = False,
+) -> Image.Image:
+    """Open one image as an RGB PIL image, as `inference/image_processor.py: load_image` does.
+
+    Encoded input (path, bytes, binary file object, base64 `data:` URL, or an http(s) URL when
+    `allow_urls`) is opened with Pillow from its bytes; the first frame is decoded and converted with
+    `convert("RGB")`: alpha is dropped without compositing, I;16 / F are clipped to [0, 255] by
+    Pillow, CMYK uses Pillow's plain conversion. A PIL image is converted as given (its current frame).
+
+    Args:
+        src: the image.
+        max_image_pixels (`int`, *optional*): decompression-bomb cap on width * height, checked from
+            the header before any pixel is decoded. `None` disables this check (Pillow's own global
+            limit, `PIL.Image.MAX_IMAGE_PIXELS`, still applies while opening).
+        exif_orientation (`str`): "ignore" (the reference: stored pixel order) or "apply" (transpose
+            by the EXIF Orientation tag first, as a viewer shows the image).
+        allow_urls (`bool`): allow fetching http(s) URLs with urllib (off by default).
+
+    Returns:
+        `PIL.Image.Image` in mode "RGB", fully loaded.
+
+    Raises:
+        DeepseekV41ImageError: unreadable, empty, truncated or non-image data, zero area, unsupported
+            input type, or a URL while `allow_urls` is False.
+        DeepseekV41ImageTooLargeError: width * height > max_image_pixels.
+    """
+    if exif_orientation not in EXIF_ORIENTATION_POLICIES:
+        raise DeepseekV41ImageError(
+            f"exif_orientation must be one of {EXIF_ORIENTATION_POLICIES}, got {exif_orientation!r}"
+        )
+    data = _read_source(src, allow_urls)
+    if isinstance(data, Image.Image):
+        _check_size(data.width, data.height, max_image_pixels)
+        try:
+            image = ImageOps.exif_transpose(data) if exif_orientation == "apply" else data
+            return image.convert("RGB")
+        except (OSError, ValueError, EOFError, SyntaxError) as err:
+            raise DeepseekV41ImageError(f"cannot decode image: {type(err).__name__}: {err}") from err
+    if not data:
+        raise DeepseekV41ImageError("image data is empty (0 bytes)")
+    try:
+        # Pillow reads only the header here; the bomb check runs before `convert` decodes pixels.
+        with Image.open(io.BytesIO(data)) as source:
+            _check_size(source.width, source.height, max_image_pixels)
+            image = ImageOps.exif_transpose(source) if exif_orientation == "apply" else source
+            return image.convert("RGB")
+    except DeepseekV41ProcessingError:
+        raise
+    except Image.DecompressionBombError as err:
+        raise DeepseekV41ImageTooLargeError(f"image refused by Pillow's decompression-bomb limit: {err}") from err
+    except UnidentifiedImageError as err:
+        raise DeepseekV41ImageError(
+            f"cannot identify image file ({len(data)} bytes): not an image format Pillow can read"
+        ) from err
+    except (OSError, ValueError, EOFError, SyntaxError) as err:
+        # e.g. "image file is truncated": the reference raises here too.
+        raise DeepseekV41ImageError(
+            f"cannot decode image data ({len(data)} bytes): {type(err).__name__}: {err}"
+        ) from err
+
+
+def _check_size(width: int, height: int, max_image_pixels: int | None) -> None:
+    if width <= 0 or height <= 0:
+        raise DeepseekV41ImageError(f"image has zero area: {width}x{height} pixels (width x height)")
+    if max_image_pixels is not None and width * height > max_image_pixels:
+        raise DeepseekV41ImageTooLargeError(
+            f"image of {width}x{height} = {width * height} pixels exceeds max_image_pixels={max_image_pixels} "
+            "(decompression-bomb guard)"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Pixels: resize/pad, normalise, patchify.
+# --------------------------------------------------------------------------------------------
+
+
+def resize_to_plan(
+    image: Image.Image,
+    plan: ImagePlan,
+    *,
+    pad_color: tuple[int, int, int] = (127, 127, 127),
+    max_wh_ratio: float | None = None,
+) -> Image.Image:
+    """RGB image of exactly (plan.best_width, plan.best_height) pixels.
+
+    Mirrors the resize step of `inference/image_processor.py: load_image`: when `max_wh_ratio` is set
+    and image.width >= max_wh_ratio * image.height, a plain (stretching) BICUBIC `resize`;
+    otherwise `ImageOps.pad` (BICUBIC contain, centred on `pad_color`), the V4.1 path.
+    """
+    size = (plan.best_width, plan.best_height)
+    if max_wh_ratio is not None and image.width >= max_wh_ratio * image.height:
+        return image.resize(size, Image.Resampling.BICUBIC)
+    return ImageOps.pad(image, size, method=Image.Resampling.BICUBIC, color=tuple(pad_color))
+
+
+def normalize_and_patchify(
+    image: Image.Image,
+    patch_size: int,
+    image_mean: float | Sequence[float] = 0.5,
+    image_std: float | Sequence[float] = 0.5,
+) -> torch.Tensor:
+    """Patch rows of an RGB image whose sides are multiples of `patch_size`.
+
+    float32 x / 255, then (x - mean) / std, in float32 and in that order (the reference's ops, so a
+    bf16 cast of the result equals its bf16 patches); then patches in the order
+    (grid_y, grid_x, channel, y, x). Mirrors the tail of `inference/image_processor.py: load_image`.
+
+    Returns:
+        `torch.FloatTensor` [n_vit_h * n_vit_w, 3 * patch_size**2], float32.
+    """
+    x = torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1) / 255
+    x = (x - _per_channel(image_mean)) / _per_channel(image_std)
+    _, height, width = x.shape
+    n_h, n_w = height // patch_size, width // patch_size
+    x = x.reshape(3, n_h, patch_size, n_w, patch_size).permute(1, 3, 0, 2, 4)
+    return x.reshape(n_h * n_w, 3 * patch_size * patch_size).contiguous()
+
+
+def _per_channel(value: float | Sequence[float]) -> float | torch.Tensor:
+    if isinstance(value, (int, float)):
+        return float(value)
+    return torch.tensor(list(value), dtype=torch.float32).view(3, 1, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Transformers image processor.
+# --------------------------------------------------------------------------------------------
+
+
+class DeepseekV41ImageProcessorKwargs(ImagesKwargs, total=False):
+    r"""
+    patch_size (`int`, defaults to 14): ViT patch side in pixels.
+    downsample_ratio (`int`, defaults to 3): the aligner merges ratio x ratio patches per token.
+    max_image_tokens (`int`, defaults to 1024): prompt positions one image may take.
+    min_pixels (`int`, defaults to 295936): smaller images are upscaled to about this area.
+    max_wh_ratio (`float`, *optional*): width / height clamp; `None` in V4.1.
+    pad_color (`tuple[int, int, int]`, defaults to (127, 127, 127)): padding colour.
+    max_image_pixels (`int`, *optional*): decompression-bomb cap on width * height.
+    exif_orientation (`str`, defaults to "ignore"): "ignore" or "apply".
+    allow_urls (`bool`, defaults to False): allow fetching http(s) image URLs.
+    """
+
+    patch_size: int
+    downsample_ratio: int
+    max_image_tokens: int
+    min_pixels: int
+    max_wh_ratio: float | None
+    pad_color: tuple[int, int, int] | list[int]
+    max_image_pixels: int | None
+    exif_orientation: str
+    allow_urls: bool
+
+
+# Attributes that define the processing; each may be overridden per call of `preprocess`.
+_SETTINGS = (
+    "patch_size",
+    "downsample_ratio",
+    "max_image_tokens",
+    "min_pixels",
+    "max_wh_ratio",
+    "pad_color",
+    "image_mean",
+    "image_std",
+    "max_image_pixels",
+    "exif_orientation",
+)
+
+
+class DeepseekV41ImageProcessor(BaseImageProcessor):
+    r"""Image processor of DeepSeek-V4.1-Flash; mirrors `inference/image_processor.py`.
+
+    Built with no arguments it has the released checkpoint's settings; build it from a model config
+    with :meth:`from_vision_config`. Saved as `preprocessor_config.json` by `save_pretrained`.
+
+    Args:
+        patch_size (`int`, defaults to 14): ViT patch side (`vision_patch_size`).
+        downsample_ratio (`int`, defaults to 3): aligner merge ratio (`vision_downsample_ratio`).
+        max_image_tokens (`int`, defaults to 1024): span budget per image (`vision_max_n_token`).
+        min_pixels (`int`, defaults to 295936): upscale target area (`vision_min_pixels`).
+        max_wh_ratio (`float`, *optional*): width/height clamp (`vision_max_wh_ratio`, None in V4.1).
+        pad_color (`tuple[int, int, int]`, defaults to (127, 127, 127)): `ImageOps.pad` colour.
+        image_mean, image_std (`float` or 3 floats, default 0.5): normalisation, (x/255 - mean) / std.
+        max_image_pixels (`int`, *optional*, defaults to 178956970): decompression-bomb cap on
+            width * height, checked from the header BEFORE decoding (default: Pillow's own hard
+            limit, so nothing the reference decodes is refused). `None` disables the check.
+        exif_orientation (`str`, defaults to "ignore"): "ignore" keeps the stored pixel order like the
+            reference (a photo with EXIF Orientation 6 stays sideways); "apply" transposes first.
+
+    Outputs of `preprocess` / `__call__` (a `BatchFeature`):
+        pixel_values: float32 [sum_i n_vit_h_i * n_vit_w_i, 3 * patch_size**2], rows in image order,
+            each row one patch in (channel, y, x) order.
+        image_grid_thw: int64 [n_images, 3] = (1, n_vit_h, n_vit_w).
+        image_llm_grid_hw: int64 [n_images, 2] = (n_llm_h, n_llm_w).
+    """
+
+    valid_kwargs = DeepseekV41ImageProcessorKwargs
+    model_input_names = ["pixel_values", "image_grid_thw", "image_llm_grid_hw"]
+
+    def __init__(
+        self,
+        patch_size: int = 14,
+        downsample_ratio: int = 3,
+        max_image_tokens: int = 1024,
+        min_pixels: int = 295936,
+        max_wh_ratio: float | None = None,
+        pad_color: Sequence[int] = (127, 127, 127),
+        image_mean: float | Sequence[float] = 0.5,
+        image_std: float | Sequence[float] = 0.5,
+        max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+        exif_orientation: str = "ignore",
+        **kwargs,
+    ):
+        kwargs.pop("image_processor_type", None)  # written by to_dict; the class is the type
+        super().__init__(**kwargs)
+        self.patch_size = patch_size
+        self.downsample_ratio = downsample_ratio
+        self.max_image_tokens = max_image_tokens
+        self.min_pixels = min_pixels
+        self.max_wh_ratio = max_wh_ratio
+        self.pad_color = tuple(pad_color)
+        self.image_mean = image_mean if isinstance(image_mean, (int, float)) else tuple(image_mean)
+        self.image_std = image_std if isinstance(image_std, (int, float)) else tuple(image_std)
+        self.max_image_pixels = max_image_pixels
+        self.exif_orientation = exif_orientation
+        _validate_settings(self._settings())
+
+    @classmethod
+    def from_vision_config(cls, vision_config, **kwargs) -> DeepseekV41ImageProcessor:
+        """Image processor with the settings of a `DeepseekV41VisionConfig` (or anything with its
+        fields patch_size, downsample_ratio, max_image_tokens, min_pixels, max_wh_ratio).
+
+        `kwargs` set the remaining attributes (pad_color, max_image_pixels, exif_orientation, ...).
+        """
+        settings = {
+            name: getattr(vision_config, name)
+            for name in ("patch_size", "downsample_ratio", "max_image_tokens", "min_pixels", "max_wh_ratio")
+        }
+        return cls(**settings, **kwargs)
+
+    def _settings(self, **overrides) -> dict[str, Any]:
+        settings = {name: getattr(self, name) for name in _SETTINGS}
+        settings.update(overrides)
+        return settings
+
+    # -- planning -------------------------------------------------------------------------------
+
+    def plan_image_grid(self, width: int, height: int) -> ImagePlan:
+        """Resize plan for an image of this original size; see module function :func:`plan_image_grid`."""
+        return plan_image_grid(width, height, **self._plan_settings())
+
+    def num_image_tokens(self, width: int, height: int) -> int:
+        """Prompt positions of the image span for an image of this original size (no pixels needed)."""
+        return self.plan_image_grid(width, height).num_image_tokens
+
+    def num_image_tokens_from_grid(self, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> list[int]:
+        """Span length per image from `image_grid_thw` rows (1, n_vit_h, n_vit_w):
+        n_llm_h * (n_llm_w + 1) + 2 with n_llm = ceil(n_vit / downsample_ratio).
+        """
+        return [
+            image_span_length(*llm_grid_from_vit_grid(int(h), int(w), self.downsample_ratio))
+            for _, h, w in _rows(image_grid_thw)
+        ]
+
+    def llm_grid_from_grid(self, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+        """(n_llm_h, n_llm_w) per image from `image_grid_thw` rows (1, n_vit_h, n_vit_w)."""
+        return [llm_grid_from_vit_grid(int(h), int(w), self.downsample_ratio) for _, h, w in _rows(image_grid_thw)]
+
+    def _plan_settings(self, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+        s = settings or self._settings()
+        return {k: s[k] for k in ("patch_size", "downsample_ratio", "max_image_tokens", "min_pixels", "max_wh_ratio")}
+
+    # -- pixels ---------------------------------------------------------------------------------
+
+    def load_image(self, src: ImageSource, allow_urls: bool = False) -> Image.Image:
+        """RGB PIL image of `src` with this processor's bomb cap and EXIF policy; see :func:`load_image`."""
+        return load_image(
+            src,
+            max_image_pixels=self.max_image_pixels,
+            exif_orientation=self.exif_orientation,
+            allow_urls=allow_urls,
+        )
+
+    def process_one(self, src: ImageSource, allow_urls: bool = False, **overrides) -> tuple[torch.Tensor, ImagePlan]:
+        """Patches and plan of one image.
+
+        Returns:
+            (`torch.FloatTensor` [n_vit_h * n_vit_w, 3 * patch_size**2] float32, :class:`ImagePlan`).
+
+        Raises:
+            DeepseekV41ImageError, DeepseekV41ImageTooLargeError, DeepseekV41ImagePlanError.
+        """
+        settings = self._settings(**overrides)
+        if overrides:
+            _validate_settings(settings)
+        image = load_image(
+            src,
+            max_image_pixels=settings["max_image_pixels"],
+            exif_orientation=settings["exif_orientation"],
+            allow_urls=allow_urls,
+        )
+        plan = plan_image_grid(image.width, image.height, **self._plan_settings(settings))
+        image = resize_to_plan(image, plan, pad_color=settings["pad_color"], max_wh_ratio=settings["max_wh_ratio"])
+        patches = normalize_and_patchify(image, settings["patch_size"], settings["image_mean"], settings["image_std"])
+        return patches, plan
+
+    def preprocess(
+        self,
+        images: ImageSource | Sequence[ImageSource],
+        return_tensors: str | None = None,
+        allow_urls: bool = False,
+        **kwargs,
+    ) -> BatchFeature:
+        """Patches and grids of one image or a list of images (nested lists are flattened in order).
+
+        Args:
+            images: path, bytes, binary file object, PIL image, or a (nested) list of them.
+            return_tensors (`str`, *optional*): "pt" for torch tensors, "np" or None for numpy.
+            allow_urls (`bool`): allow fetching http(s) URLs.
+            kwargs: per-call overrides of the settings (patch_size, max_image_tokens, ...). Other
+                `ImagesKwargs` keys are accepted only when None.
+
+        Returns:
+            `BatchFeature` with `pixel_values` float32 [sum N_i, 3 * patch_size**2],
+            `image_grid_thw` int64 [n_images, 3] = (1, n_vit_h, n_vit_w) and
+            `image_llm_grid_hw` int64 [n_images, 2] = (n_llm_h, n_llm_w).
+
+        Raises:
+            DeepseekV41ImageError: no images, or an image cannot be loaded (see :func:`load_image`).
+            DeepseekV41ImageTooLargeError, DeepseekV41ImagePlanError.
+            DeepseekV41ProcessingError: an unknown option.
+        """
+        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in _SETTINGS}
+        unknown = sorted(k for k, v in kwargs.items() if v is not None)
+        if unknown:
+            raise DeepseekV41ProcessingError(f"unsupported image processor options: {unknown}")
+        sources = _flatten(images)
+        if not sources:
+            raise DeepseekV41ImageError("no images given")
+        patches, grids, llm_grids = [], [], []
+        for src in sources:
+            rows, plan = self.process_one(src, allow_urls=allow_urls, **overrides)
+            patches.append(rows.numpy())
+            grids.append((1, plan.n_vit_h, plan.n_vit_w))
+            llm_grids.append((plan.n_llm_h, plan.n_llm_w))
+        data = {
+            "pixel_values": np.concatenate(patches, axis=0),
+            "image_grid_thw": np.array(grids, dtype=np.int64),
+            "image_llm_grid_hw": np.array(llm_grids, dtype=np.int64),
+        }
+        return BatchFeature(data=data, tensor_type=return_tensors)
+
+    def __call__(self, images, *args, **kwargs) -> BatchFeature:
+        return self.preprocess(images, *args, **kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        output = super().to_dict()
+        # JSON has no tuples; keep the saved file stable and readable.
+        output["pad_color"] = list(self.pad_color)
+        for key in ("image_mean", "image_std"):
+            if isinstance(output[key], tuple):
+                output[key] = list(output[key])
+        output["max_wh_ratio"] = self.max_wh_ratio  # saved even when None, for the reader
+        output["max_image_pixels"] = self.max_image_pixels
+        return output
+
+
+def _validate_settings(s: dict[str, Any]) -> None:
+    def positive_int(name):
+        value = s[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise DeepseekV41ProcessingError(f"{name} must be a positive integer, got {value!r}")
+
+    for name in ("patch_size", "downsample_ratio", "max_image_tokens"):
+        positive_int(name)
+    if isinstance(s["min_pixels"], bool) or not isinstance(s["min_pixels"], int) or s["min_pixels"] < 0:
+        raise DeepseekV41ProcessingError(f"min_pixels must be a non-negative integer, got {s['min_pixels']!r}")
+    ratio = s["max_wh_ratio"]
+    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0):
+        raise DeepseekV41ProcessingError(f"max_wh_ratio must be None or a positive number, got {ratio!r}")
+    color = tuple(s["pad_color"])
+    if len(color) != 3 or not all(isinstance(c, int) and 0 <= c <= 255 for c in color):
+        raise DeepseekV41ProcessingError(f"pad_color must be 3 integers in [0, 255], got {s['pad_color']!r}")
+    for name in ("image_mean", "image_std"):
+        value = s[name]
+        if not isinstance(value, (int, float)) and len(value) != 3:
+            raise DeepseekV41ProcessingError(f"{name} must be a number or 3 numbers, got {value!r}")
+    cap = s["max_image_pixels"]
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
+        raise DeepseekV41ProcessingError(f"max_image_pixels must be None or a positive integer, got {cap!r}")
+    if s["exif_orientation"] not in EXIF_ORIENTATION_POLICIES:
+        raise DeepseekV41ProcessingError(
+            f"exif_orientation must be one of {EXIF_ORIENTATION_POLICIES}, got {s['exif_orientation']!r}"
+        )
+
+
+def _flatten(images) -> list:
+    if isinstance(images, (list, tuple)):
+        return [item for entry in images for item in _flatten(entry)]
+    return [images]
+
+
+def _rows(image_grid_thw) -> list[tuple[int, int, int]]:
+    rows = image_grid_thw.tolist() if hasattr(image_grid_thw, "tolist") else list(image_grid_thw)
+    out = []
+    for row in rows:
+        if len(row) != 3:
+            raise DeepseekV41ProcessingError(f"image_grid_thw rows must be (t, h, w), got {row!r}")
+        out.append(tuple(int(v) for v in row))
+    return out
+
+
+__all__ = [
+    "DEFAULT_MAX_IMAGE_PIXELS",
+    "DeepseekV41ImageProcessor",
+    "ImagePlan",
+    "image_span_length",
+    "llm_grid_from_vit_grid",
+    "load_image",
+    "normalize_and_patchify",
+    "plan_image_grid",
+    "resize_to_plan",
+]

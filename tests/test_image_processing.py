@@ -1,0 +1,450 @@
+"""Image processor vs the reference (`inference/image_processor.py: load_image`).
+
+Golden: `preprocess/` (25 files x settings real / small / ratio4): grids, token counts, sha256 of
+the bf16 patches, the full `small` patch tensors, and the errors the reference raised.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import http.server
+import io
+import json
+import struct
+import threading
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import (
+    FLAT_TO_VISION,
+    DeepseekV41Config,
+    DeepseekV41VisionConfig,
+)
+from deepseek_v41_vl.processing.errors_deepseek_v41_vl import (
+    DeepseekV41ImageError,
+    DeepseekV41ImagePlanError,
+    DeepseekV41ImageTooLargeError,
+    DeepseekV41ProcessingError,
+)
+from deepseek_v41_vl.processing.image_processing_deepseek_v41_vl import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DeepseekV41ImageProcessor,
+    load_image,
+)
+
+SETTINGS = ["real", "small", "ratio4"]
+PATCH = 14
+
+
+def processor_for(flat_settings: dict, **kwargs) -> DeepseekV41ImageProcessor:
+    """Processor for a golden setting, given as reference `ModelArgs` keys (vision_*)."""
+    config = DeepseekV41VisionConfig(**{FLAT_TO_VISION[k]: v for k, v in flat_settings.items()})
+    return DeepseekV41ImageProcessor.from_vision_config(config, **kwargs)
+
+
+def bf16_patches(pixel_values: torch.Tensor) -> torch.Tensor:
+    """[N, 588] float32 -> the reference's layout and dtype, bf16 [N, 3, 14, 14]."""
+    return pixel_values.to(torch.bfloat16).reshape(-1, 3, PATCH, PATCH)
+
+
+def sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def pre(golden):
+    return json.loads((golden / "preprocess" / "preprocess.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def outputs(golden, pre):
+    """(setting, file) -> BatchFeature, or the exception our processor raised."""
+    result = {}
+    for setting in SETTINGS:
+        processor = processor_for(pre["settings"][setting])
+        for entry in pre["images"]:
+            data = (golden / "preprocess" / entry["file"]).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == entry["file_sha256"]
+            try:
+                result[setting, entry["file"]] = processor(data, return_tensors="pt")
+            except ValueError as err:
+                result[setting, entry["file"]] = err
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Golden parity.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_golden_patches_bit_identical(pre, outputs, setting):
+    checked, mismatches = 0, []
+    for entry in pre["images"]:
+        want = entry["results"][setting]
+        if "error" in want:
+            continue
+        out = outputs[setting, entry["file"]]
+        assert not isinstance(out, Exception), f"{entry['file']}: reference loads it, we raised {out!r}"
+        n = want["n_vit_h"] * want["n_vit_w"]
+        assert out["pixel_values"].dtype == torch.float32
+        assert tuple(out["pixel_values"].shape) == (n, 3 * PATCH * PATCH)
+        assert out["image_grid_thw"].dtype == torch.int64 and out["image_llm_grid_hw"].dtype == torch.int64
+        got = {
+            "grid": out["image_grid_thw"].tolist(),
+            "llm": out["image_llm_grid_hw"].tolist(),
+            "sha": sha256(bf16_patches(out["pixel_values"])),
+        }
+        expected = {
+            "grid": [[1, want["n_vit_h"], want["n_vit_w"]]],
+            "llm": [[want["n_llm_h"], want["n_llm_w"]]],
+            "sha": want["patches_sha256"],
+        }
+        if got != expected:
+            mismatches.append((entry["file"], got, expected))
+        processor = processor_for(pre["settings"][setting])
+        assert processor.num_image_tokens_from_grid(out["image_grid_thw"]) == [want["num_image_tokens"]]
+        pil = entry["pil"]
+        assert processor.num_image_tokens(pil["width"], pil["height"]) == want["num_image_tokens"]
+        checked += 1
+    assert not mismatches, mismatches
+    assert checked == 23
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_golden_errors_raise_project_error(pre, outputs, setting):
+    errors = [e for e in pre["images"] if "error" in e["results"][setting]]
+    assert {e["file"] for e in errors} == {"images/multipage_rgb.tif", "images/syn_truncated.png"}
+    for entry in errors:
+        out = outputs[setting, entry["file"]]
+        assert isinstance(out, DeepseekV41ImageError), out
+        # The reference's message, without Pillow's object repr, names the problem in ours too.
+        reference_message = entry["results"][setting]["error"]["message"].split(" <")[0]
+        assert reference_message in str(out)
+
+
+def test_golden_small_patch_tensors_equal(golden, pre, outputs):
+    tensors = load_file(golden / "preprocess" / "patches_small.safetensors")
+    loadable = [e["file"] for e in pre["images"] if "error" not in e["results"]["small"]]
+    assert sorted(tensors) == sorted(f.split("/")[-1] for f in loadable)
+    for file in loadable:
+        want = tensors[file.split("/")[-1]]
+        got = bf16_patches(outputs["small", file]["pixel_values"])
+        assert want.dtype == torch.bfloat16 and got.shape == want.shape
+        assert torch.equal(got, want), file
+
+
+def test_golden_covers_the_pillow_modes(pre):
+    """The parity above covers every conversion path the brief names; keep it that way."""
+    modes = {e["pil"].get("mode") for e in pre["images"]}
+    assert {"RGB", "L", "LA", "RGBA", "P", "I;16", "CMYK", "F", "1"} <= modes
+    assert any(e["pil"].get("n_frames", 1) > 1 for e in pre["images"])
+    assert any(e["pil"].get("exif_orientation", 1) == 6 for e in pre["images"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Input kinds.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_path_file_object_pil_and_data_url_agree(golden, pre, outputs):
+    entry = next(e for e in pre["images"] if e["file"] == "images/chelsea.png")
+    path = golden / "preprocess" / entry["file"]
+    processor = processor_for(pre["settings"]["small"])
+    want = entry["results"]["small"]["patches_sha256"]
+    data_url = "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+    with open(path, "rb") as file, Image.open(path) as pil:
+        for src in (path, str(path), file, pil, data_url, bytearray(path.read_bytes())):
+            assert sha256(bf16_patches(processor(src, return_tensors="pt")["pixel_values"])) == want
+
+
+def test_batch_concatenates_in_order(golden, pre, outputs):
+    files = ["images/chelsea.png", "images/camera.png", "images/syn_rgb_w639_h31.png"]
+    processor = processor_for(pre["settings"]["real"])
+    data = [(golden / "preprocess" / f).read_bytes() for f in files]
+    batch = processor([data[:2], data[2:]], return_tensors="pt")  # nested lists are flattened
+    singles = [outputs["real", f] for f in files]
+    assert torch.equal(batch["pixel_values"], torch.cat([s["pixel_values"] for s in singles]))
+    assert torch.equal(batch["image_grid_thw"], torch.cat([s["image_grid_thw"] for s in singles]))
+    assert torch.equal(batch["image_llm_grid_hw"], torch.cat([s["image_llm_grid_hw"] for s in singles]))
+    as_numpy = processor(data)
+    assert isinstance(as_numpy["pixel_values"], np.ndarray)
+    assert np.array_equal(as_numpy["pixel_values"], batch["pixel_values"].numpy())
+
+
+def test_no_images_raises():
+    with pytest.raises(DeepseekV41ImageError, match="no images"):
+        DeepseekV41ImageProcessor()([])
+
+
+def test_unsupported_input_type_raises():
+    with pytest.raises(DeepseekV41ImageError, match="unsupported image input of type int"):
+        load_image(12345)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_empty_bytes_raises():
+    with pytest.raises(DeepseekV41ImageError, match="empty"):
+        DeepseekV41ImageProcessor()(b"")
+
+
+def test_empty_file_raises(tmp_path):
+    path = tmp_path / "empty.png"
+    path.write_bytes(b"")
+    with pytest.raises(DeepseekV41ImageError, match="empty"):
+        DeepseekV41ImageProcessor()(path)
+
+
+def test_missing_file_raises(tmp_path):
+    with pytest.raises(DeepseekV41ImageError, match="cannot read image file"):
+        load_image(tmp_path / "nope.png")
+
+
+def test_truncated_png_raises(golden):
+    data = (golden / "preprocess" / "images" / "chelsea.png").read_bytes()
+    with pytest.raises(DeepseekV41ImageError, match="truncated"):
+        DeepseekV41ImageProcessor()(data[: len(data) // 3])
+
+
+def test_non_image_bytes_raise():
+    with pytest.raises(DeepseekV41ImageError, match="cannot identify image file"):
+        DeepseekV41ImageProcessor()(b"this is plainly not an image, just some text bytes")
+
+
+@pytest.mark.parametrize("size", [(0, 0), (0, 7), (7, 0)])
+def test_zero_area_image_raises(size):
+    with pytest.raises(DeepseekV41ImageError, match="zero area"):
+        DeepseekV41ImageProcessor()(Image.new("RGB", size))
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG with a valid IHDR claiming width x height RGB pixels, and no pixel data."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+def test_bomb_refused_from_header_before_decoding():
+    # 12000 x 12000 passes Pillow's hard limit (it only warns); our cap refuses it from the header.
+    # The file has no pixel data: had decoding started, the error would be a decode error.
+    data = png_header_only(12000, 12000)
+    processor = DeepseekV41ImageProcessor(max_image_pixels=10**8)
+    with pytest.raises(DeepseekV41ImageTooLargeError, match="max_image_pixels=100000000"):
+        processor(data)
+    with pytest.raises(DeepseekV41ImageError, match="truncated|decode") as info:
+        DeepseekV41ImageProcessor(max_image_pixels=None)(data)
+    assert not isinstance(info.value, DeepseekV41ImageTooLargeError)
+
+
+def test_bomb_beyond_pillow_limit_refused():
+    assert DeepseekV41ImageProcessor().max_image_pixels == DEFAULT_MAX_IMAGE_PIXELS == 178956970
+    with pytest.raises(DeepseekV41ImageTooLargeError, match="decompression"):
+        DeepseekV41ImageProcessor()(png_header_only(100000, 100000))
+
+
+def test_bomb_cap_is_checked_before_decoding(golden):
+    # The truncated 64x64 PNG: with the cap just below its size we refuse it for size, not truncation.
+    data = (golden / "preprocess" / "images" / "syn_truncated.png").read_bytes()
+    with pytest.raises(DeepseekV41ImageTooLargeError, match="64x64"):
+        load_image(data, max_image_pixels=64 * 64 - 1)
+    with pytest.raises(DeepseekV41ImageError, match="truncated"):
+        load_image(data, max_image_pixels=64 * 64)
+
+
+def test_url_refused_by_default():
+    for url in ("http://example.invalid/cat.png", "https://example.invalid/cat.png"):
+        with pytest.raises(DeepseekV41ImageError, match="allow_urls=True"):
+            DeepseekV41ImageProcessor()(url)
+        with pytest.raises(DeepseekV41ImageError, match="allow_urls=True"):
+            load_image(url)
+
+
+def test_url_allowed_explicitly(golden, pre):
+    data = (golden / "preprocess" / "images" / "chelsea.png").read_bytes()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/chelsea.png"
+        out = processor_for(pre["settings"]["real"])(url, allow_urls=True, return_tensors="pt")
+    finally:
+        server.shutdown()
+        server.server_close()
+    want = next(e for e in pre["images"] if e["file"] == "images/chelsea.png")["results"]["real"]
+    assert sha256(bf16_patches(out["pixel_values"])) == want["patches_sha256"]
+
+
+def test_url_fetch_failure_raises():
+    import socket
+
+    with socket.socket() as sock:  # a local port nobody listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(DeepseekV41ImageError, match="cannot fetch image URL"):
+        load_image(f"http://127.0.0.1:{port}/cat.png", allow_urls=True)
+
+
+def test_plan_that_cannot_fit_raises(golden):
+    data = (golden / "preprocess" / "images" / "chelsea.png").read_bytes()
+    with pytest.raises(DeepseekV41ImagePlanError, match="max_image_tokens=3"):
+        DeepseekV41ImageProcessor(max_image_tokens=3)(data)
+    out = DeepseekV41ImageProcessor(max_image_tokens=4)(data, return_tensors="pt")
+    assert out["image_grid_thw"].tolist() == [[1, 3, 3]]
+
+
+def test_bad_settings_raise():
+    with pytest.raises(DeepseekV41ProcessingError, match="exif_orientation"):
+        DeepseekV41ImageProcessor(exif_orientation="rotate")
+    with pytest.raises(DeepseekV41ProcessingError, match="patch_size"):
+        DeepseekV41ImageProcessor(patch_size=0)
+    with pytest.raises(DeepseekV41ProcessingError, match="pad_color"):
+        DeepseekV41ImageProcessor(pad_color=(0, 0, 256))
+    with pytest.raises(DeepseekV41ProcessingError, match="unsupported image processor options"):
+        DeepseekV41ImageProcessor()(Image.new("RGB", (8, 8)), do_resize=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion semantics (the reference's `convert("RGB")`), on small synthetic images.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_alpha_dropped_without_compositing():
+    rgba = Image.new("RGBA", (5, 3), (255, 0, 255, 0))
+    assert load_image(rgba).getpixel((2, 1)) == (255, 0, 255)
+    la = Image.new("LA", (5, 3), (100, 0))
+    assert load_image(la).getpixel((2, 1)) == (100, 100, 100)
+
+
+def test_sixteen_bit_is_clipped():
+    image = Image.new("I;16", (2, 1))
+    image.putpixel((0, 0), 100)
+    image.putpixel((1, 0), 1000)
+    rgb = load_image(image)
+    assert rgb.getpixel((0, 0)) == (100, 100, 100)
+    assert rgb.getpixel((1, 0)) == (255, 255, 255)
+
+
+def test_cmyk_plain_conversion():
+    assert load_image(Image.new("CMYK", (2, 2), (0, 255, 0, 0))).getpixel((0, 0)) == (255, 0, 255)
+
+
+def test_multi_frame_uses_first_frame(golden):
+    path = golden / "preprocess" / "images" / "syn_2frame_w80_h60.gif"
+    with Image.open(path) as gif:
+        assert gif.n_frames == 2
+        first = np.asarray(gif.convert("RGB"))
+        gif.seek(1)
+        second = np.asarray(gif.convert("RGB"))
+    assert not np.array_equal(first, second)
+    assert np.array_equal(np.asarray(load_image(path)), first)
+
+
+def test_padding_is_gray_127(pre, outputs):
+    # 639x31 is contained in 2478x126 pixels: about 3 rows of gray above the image, 3 below.
+    out = outputs["real", "images/syn_rgb_w639_h31.png"]
+    n_vit_w = out["image_grid_thw"][0, 2]
+    top_row = out["pixel_values"][0].view(3, PATCH, PATCH)[:, 0, :]
+    bottom_row = out["pixel_values"][-n_vit_w].view(3, PATCH, PATCH)[:, -1, :]
+    pad = torch.tensor((127 / 255 - 0.5) / 0.5).to(torch.bfloat16)  # README: -0.00392
+    for row in (top_row, bottom_row):
+        assert torch.equal(row.to(torch.bfloat16), pad.expand_as(row))
+    assert not torch.equal(out["pixel_values"][0].to(torch.bfloat16), pad.expand(3 * PATCH * PATCH))
+
+
+# ---------------------------------------------------------------------------------------------
+# EXIF policy.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_exif_orientation_ignored_by_default(golden, pre, outputs):
+    path = golden / "preprocess" / "images" / "syn_exif_orient6_w200_h120.jpg"
+    assert DeepseekV41ImageProcessor().exif_orientation == "ignore"
+    assert load_image(path).size == (200, 120)
+    want = next(e for e in pre["images"] if e["file"].endswith("syn_exif_orient6_w200_h120.jpg"))
+    out = outputs["real", want["file"]]
+    real = want["results"]["real"]
+    assert out["image_grid_thw"].tolist() == [[1, real["n_vit_h"], real["n_vit_w"]]]
+
+
+def test_exif_orientation_applied_on_request(golden, pre):
+    path = golden / "preprocess" / "images" / "syn_exif_orient6_w200_h120.jpg"
+    stored = load_image(path)
+    upright = load_image(path, exif_orientation="apply")
+    assert upright.size == (120, 200)
+    # Orientation 6: the stored image must be turned 90 degrees clockwise to display.
+    assert np.array_equal(np.asarray(upright), np.asarray(stored.transpose(Image.Transpose.ROTATE_270)))
+    processor = processor_for(pre["settings"]["real"], exif_orientation="apply")
+    out = processor(path, return_tensors="pt")
+    plan = processor.plan_image_grid(120, 200)
+    assert out["image_grid_thw"].tolist() == [[1, plan.n_vit_h, plan.n_vit_w]]
+    assert out["image_llm_grid_hw"].tolist() == [[plan.n_llm_h, plan.n_llm_w]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Construction and serialisation.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_from_vision_config_of_the_golden_tiny_model(golden, pre, outputs):
+    config = DeepseekV41Config.from_reference_args(golden / "model_tiny_bf16" / "config.json")
+    processor = DeepseekV41ImageProcessor.from_vision_config(config.vision_config)
+    flat = json.loads((golden / "model_tiny_bf16" / "config.json").read_text())
+    assert processor.patch_size == flat["vision_patch_size"]
+    assert processor.downsample_ratio == flat["vision_downsample_ratio"]
+    assert processor.max_image_tokens == flat["vision_max_n_token"]
+    assert processor.min_pixels == flat["vision_min_pixels"]
+    assert processor.max_wh_ratio == flat["vision_max_wh_ratio"]
+    # The tiny model uses the `small` setting.
+    data = (golden / "preprocess" / "images" / "rocket.jpg").read_bytes()
+    got = processor(data, return_tensors="pt")["pixel_values"]
+    assert torch.equal(got, outputs["small", "images/rocket.jpg"]["pixel_values"])
+
+
+def test_from_vision_config_defaults_are_the_release():
+    assert DeepseekV41ImageProcessor.from_vision_config(DeepseekV41VisionConfig()).to_dict() == (
+        DeepseekV41ImageProcessor().to_dict()
+    )
+
+
+def test_save_and_load_round_trip(tmp_path, golden, pre, outputs):
+    processor = processor_for(pre["settings"]["ratio4"], pad_color=(127, 127, 127), max_image_pixels=10**7)
+    processor.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    assert saved["image_processor_type"] == "DeepseekV41ImageProcessor"
+    assert (saved["max_image_tokens"], saved["max_wh_ratio"], saved["max_image_pixels"]) == (256, 4, 10**7)
+    loaded = DeepseekV41ImageProcessor.from_pretrained(tmp_path)
+    assert loaded.to_dict() == processor.to_dict()
+    assert loaded.pad_color == (127, 127, 127)
+    data = (golden / "preprocess" / "images" / "syn_rgb_w2000_h20.png").read_bytes()
+    got = loaded(data, return_tensors="pt")["pixel_values"]
+    assert torch.equal(got, outputs["ratio4", "images/syn_rgb_w2000_h20.png"]["pixel_values"])
+    # Saved with None (released settings) and overridden at load time.
+    DeepseekV41ImageProcessor().save_pretrained(tmp_path / "release")
+    reloaded = DeepseekV41ImageProcessor.from_pretrained(tmp_path / "release", max_image_tokens=64)
+    assert reloaded.max_wh_ratio is None and reloaded.max_image_tokens == 64
