@@ -454,8 +454,8 @@ class DeepseekV41Config(PretrainedConfig):
         image_token_id (`int`, defaults to 129264): the id every image-span position carries.
         quantization_config (`dict`, *optional*): weight storage; `{"quant_method": "fp8",
             "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4", ...}` for
-            the released checkpoint, absent (None) for bf16 weights. It sets
-            `text_config.weight_dtype` / `expert_weight_dtype`.
+            the released checkpoint. When given it sets `text_config.weight_dtype` /
+            `expert_weight_dtype`; a flat reference config without `dtype: "fp8"` means bf16.
         numerics (`str`, *optional*): sets `text_config.numerics` (``"fast"`` or ``"exact"``), so
             `from_pretrained(..., numerics="exact")` works.
 
@@ -512,14 +512,16 @@ class DeepseekV41Config(PretrainedConfig):
         if quantization_config is not None:
             text_config.weight_dtype = "fp8"
             text_config.expert_weight_dtype = quantization_config.get("expert_dtype") or "fp8"
-        else:
+        elif flat:
             text_config.weight_dtype = text_config.expert_weight_dtype = "bf16"
         text_config.validate_layout()
         self.text_config = text_config
         self.vision_config = vision_config
         self.image_token_id = image_token_id
-        if quantization_config is not None:
-            self.quantization_config = quantization_config
+        # `quantization_config` is read above and deliberately not kept: on a config,
+        # transformers would hand the weights to its own FP8 quantizer (128x128 fp32 scales),
+        # while these checkpoints use 32x32 e8m0 blocks and packed fp4 experts, handled by the
+        # model's own `DeepseekV41Linear`. The storage lives in text_config instead.
         kwargs.setdefault("bos_token_id", text_config.bos_token_id)
         kwargs.setdefault("eos_token_id", text_config.eos_token_id)
         kwargs.setdefault("pad_token_id", text_config.pad_token_id)
