@@ -246,23 +246,31 @@ def _expand_block_scale(scale: torch.Tensor, rows: int, cols: int, block_rows: i
 
 
 def dequantize_fp8_weight(
-    weight: torch.Tensor, scale: torch.Tensor, block: int = QUANT_BLOCK, dtype: torch.dtype = torch.bfloat16
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: int = QUANT_BLOCK,
+    dtype: torch.dtype = torch.bfloat16,
+    row_block: int | None = None,
 ) -> torch.Tensor:
-    """fp8 e4m3 ``[out, in]`` x e8m0 block scales ``[ceil(out/block), ceil(in/block)]`` -> `dtype`.
+    """fp8 e4m3 ``[out, in]`` x e8m0 block scales -> `dtype` ``[out, in]``.
 
-    The product is formed in fp32; for power-of-two scales the bf16 result is exact. This is how the
-    reference's converter produces `wo_a` (REFERENCE.md 2) and how the Engram table is read.
+    Scales are per (row_block x block) tile: ``[ceil(out/row_block), ceil(in/block)]``. Linear
+    weights use 32 x 32 tiles (`row_block` defaults to `block`); the Engram table has one scale per
+    row and 32 columns (``row_block=1``, `inference/model.py: ParallelEngramEmbedding`). The product
+    is formed in fp32; for power-of-two scales the bf16 result is exact. This is also how the
+    reference's converter produces `wo_a` (REFERENCE.md 2).
 
     Raises:
         DeepseekV41QuantizationError: dtype or scale shape mismatch.
     """
+    row_block = block if row_block is None else row_block
     if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
         raise DeepseekV41QuantizationError(f"fp8 weight must be 2-D float8_e4m3fn, got {weight.dtype} {tuple(weight.shape)}")
     rows, cols = weight.shape
-    expected = (-(-rows // block), -(-cols // block))
+    expected = (-(-rows // row_block), -(-cols // block))
     if tuple(scale.shape) != expected:
         raise DeepseekV41QuantizationError(f"fp8 weight {tuple(weight.shape)} needs scale {expected}, got {tuple(scale.shape)}")
-    return (weight.float() * _expand_block_scale(scale, rows, cols, block, block)).to(dtype)
+    return (weight.float() * _expand_block_scale(scale, rows, cols, row_block, block)).to(dtype)
 
 
 def dequantize_fp4_weight(

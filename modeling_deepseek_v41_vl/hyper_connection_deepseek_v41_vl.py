@@ -1,0 +1,189 @@
+"""Manifold-constrained hyper-connections (mHC) of DeepSeek-V4.1.
+
+Mirrors `inference/model.py: Block.hc_mixes / hc_pre / hc_post` and the kernel
+`hc_split_sinkhorn` (`kernel_cpu.py`), see `shared/docs/REFERENCE.md` section 4.
+
+The learned parameters (`hc_attn_fn`, `hc_attn_base`, `hc_attn_scale` and the `hc_ffn_*` trio) are
+stored directly on the decoder block in the checkpoint (`layers.{i}.hc_attn_fn`), so
+:class:`DeepseekV41HyperConnection` holds none: the block owns them and passes them in. This keeps
+`load_state_dict(strict=True)` a plain load of the checkpoint names.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class DeepseekV41HyperConnectionError(ValueError):
+    """An mHC input has the wrong shape or dtype."""
+
+
+def hc_split_sinkhorn(
+    mixes: torch.Tensor,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    hc_mult: int,
+    sinkhorn_iters: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split the raw mixes into (pre, post, comb), comb made doubly stochastic by Sinkhorn.
+
+    Mirrors the kernel `hc_split_sinkhorn` (`kernel_cpu.py`), with the same fp32 operations in the
+    same order, so the result is bit-identical on CPU.
+
+    Args:
+        mixes: fp32 `[..., (2 + hc) * hc]`, the normalized projection of `hc_mixes`.
+        scale: fp32 `[3]`, one scale each for pre, post and comb.
+        base: fp32 `[(2 + hc) * hc]`, added after scaling.
+        hc_mult: number of residual copies `hc`.
+        sinkhorn_iters: total normalization rounds (the first column pass included).
+        eps: `hc_eps`, added to `pre` and to every Sinkhorn denominator.
+
+    Returns:
+        pre `[..., hc]`, post `[..., hc]`, comb `[..., hc, hc]` (all fp32). `comb[..., i, j]` weighs
+        source copy `i` into output copy `j`.
+    """
+    hc = hc_mult
+    m = mixes.float()
+    scale = scale.float()
+    base = base.float()
+    pre = torch.sigmoid(m[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(m[..., hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = (m[..., 2 * hc :] * scale[2] + base[2 * hc :]).unflatten(-1, (hc, hc))
+    # softmax over j written out as exp(c - rowmax) / rowsum: the kernel's op order, not F.softmax's
+    comb = torch.exp(comb - comb.amax(dim=-1, keepdim=True))
+    comb = comb / comb.sum(dim=-1, keepdim=True) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+class DeepseekV41HyperConnection(nn.Module):
+    r"""The mHC arithmetic around one sublayer (attention or MoE) of a DeepSeek-V4.1 block.
+
+    The residual stream is carried as `hc_mult` copies `[B, S, N, D]`. Around each sublayer:
+
+    ::
+
+                                      N residual copies x  [B, S, N, D]
+                                                │
+                      ┌─────────────────────────┼──────────────────────────────┐
+                      │                         │                              │
+             ┌────────────────┐       ┌──────────────────────┐                 │
+             │ COLLAPSE       │       │ FLATTEN fp32 [B,S,ND] │                 │
+             │ (pre_mix_in,   │       │ PROJECT by fn         │                 │
+             │  from the      │       │ x rsqrt(mean(x²)+eps) │                 │
+             │  PREVIOUS      │       │ SPLIT + SINKHORN      │                 │
+             │  sublayer)     │       └──────────────────────┘                 │
+             └────────────────┘          │        │        │                   │
+                      │               pre_out   post     comb                  │
+               [B, S, D] bf16        [B,S,N]  [B,S,N]  [B,S,N,N]               │
+                      │               │          │        │                    │
+             ┌────────────────┐       │          │   ┌───────────────────────────┐
+             │ norm + ATTN    │       │          │   │ MIX: Σ_i comb[i][j]·x[i]  │
+             │ or norm + MoE  │       │          │   └───────────────────────────┘
+             └────────────────┘       │          │                │
+                      │ f [B, S, D]   │          │                │
+                      └──────────┬────┼──────────┘                │
+                          ┌────────────────────┐                  │
+                          │ EXPAND: post[j]·f  │──────(ADD)───────┘
+                          └────────────────────┘
+                                      │                 pre_out is handed to the NEXT
+                                      ▼                 sublayer's COLLAPSE (one-sublayer lag)
+                            N output copies [B, S, N, D] (fp32 sum, cast to bf16)
+
+    The one-sublayer lag (`Block.forward`): attention collapses with the previous block's FFN
+    `pre` (a one-hot `[1, 0, 0, 0]` for block 0), the FFN collapses with this block's attention
+    `pre` (computed from the block input before attention), and the final collapse before `norm`
+    uses the last FFN `pre`.
+
+    Holds no parameters: `fn` `[(2+N)*N, N*D]`, `base` `[(2+N)*N]` and `scale` `[3]` (all fp32)
+    live on the block under their checkpoint names and are passed to :meth:`mixes`.
+
+    Args:
+        hc_mult (`int`): number of copies `N`.
+        sinkhorn_iters (`int`): `hc_sinkhorn_iters`.
+        hc_eps (`float`): `hc_eps` (Sinkhorn and `pre`).
+        norm_eps (`float`): `rms_norm_eps`, inside the rsqrt of :meth:`mixes`.
+    """
+
+    def __init__(self, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        self.hc_mult = hc_mult
+        self.sinkhorn_iters = sinkhorn_iters
+        self.hc_eps = hc_eps
+        self.norm_eps = norm_eps
+
+    def _check_stream(self, x: torch.Tensor, name: str) -> None:
+        if x.dim() != 4 or x.size(2) != self.hc_mult:
+            raise DeepseekV41HyperConnectionError(
+                f"{name} must be [batch, seq, hc_mult={self.hc_mult}, hidden], got {tuple(x.shape)}"
+            )
+
+    def mixes(
+        self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pre, post, comb) from the stream. Mirrors `Block.hc_mixes`.
+
+        Args:
+            x: `[B, S, N, D]` (bf16) residual copies.
+            fn: fp32 `[(2+N)*N, N*D]`; scale: fp32 `[3]`; base: fp32 `[(2+N)*N]`.
+
+        Returns:
+            pre `[B, S, N]`, post `[B, S, N]`, comb `[B, S, N, N]`, fp32.
+
+        Raises:
+            DeepseekV41HyperConnectionError: `x` is not `[B, S, N, D]` or `fn` does not match it.
+        """
+        self._check_stream(x, "x")
+        if fn.shape != ((2 + self.hc_mult) * self.hc_mult, self.hc_mult * x.size(-1)):
+            raise DeepseekV41HyperConnectionError(f"fn has shape {tuple(fn.shape)}, incompatible with x {tuple(x.shape)}")
+        flat = x.flatten(2).float()
+        # one RMS statistic over all N*D values of a token, applied after the projection, no weight
+        rsqrt = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
+        m = F.linear(flat, fn) * rsqrt
+        return hc_split_sinkhorn(m, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps)
+
+    def pre(self, x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+        """Collapse: y = Σ_i mix[i]·x[i] in fp32, cast to `x.dtype`. Mirrors `Block.hc_pre`.
+
+        Args:
+            x: `[B, S, N, D]`; mix: fp32 `[B, S, N]`.
+
+        Returns:
+            `[B, S, D]` in `x.dtype`.
+        """
+        self._check_stream(x, "x")
+        return torch.sum(mix.unsqueeze(-1) * x.float(), dim=2).to(x.dtype)
+
+    def post(self, f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """Expand and mix: out[j] = post[j]·f + Σ_i comb[i][j]·residual[i]. Mirrors `Block.hc_post`.
+
+        Args:
+            f: sublayer output `[B, S, D]`; residual: `[B, S, N, D]`; post: fp32 `[B, S, N]`;
+                comb: fp32 `[B, S, N, N]` (first index = source copy).
+
+        Returns:
+            `[B, S, N, D]` in `f.dtype` (computed in fp32).
+        """
+        self._check_stream(residual, "residual")
+        mixed = torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=2)
+        return (post.unsqueeze(-1) * f.unsqueeze(-2) + mixed).type_as(f)
+
+    def extra_repr(self) -> str:
+        return f"hc_mult={self.hc_mult}, sinkhorn_iters={self.sinkhorn_iters}, hc_eps={self.hc_eps}"
+
+
+def identity_pre_mix(x: torch.Tensor, hc_mult: int) -> torch.Tensor:
+    """The one-hot `[1, 0, ..., 0]` fp32 mix that collapses block 0's input. Mirrors
+    `make_identity_pre_mix`. `x` is `[B, S, ...]`; returns fp32 `[B, S, hc_mult]`."""
+    mix = x.new_zeros(x.size(0), x.size(1), hc_mult, dtype=torch.float32)
+    mix[:, :, 0] = 1.0
+    return mix
+
+
+__all__ = ["DeepseekV41HyperConnection", "DeepseekV41HyperConnectionError", "hc_split_sinkhorn", "identity_pre_mix"]

@@ -1,0 +1,297 @@
+"""Mixture of experts of DeepSeek-V4.1: router, SwiGLU experts and the routed + shared combine.
+
+Mirrors `inference/model.py: Gate`, `Expert` and `MoE` (REFERENCE.md sections 8 and 21.11). Module
+and parameter names are the checkpoint's, so ``layers.{i}.ffn.<name>`` loads without renaming:
+
+- ``gate.weight`` bf16 ``[E, D]`` (the GEMM runs in fp32), ``gate.bias`` / ``gate.bias_vl`` fp32 ``[E]``;
+- ``experts.{e}.w{1,2,3}.{weight,scale}``: routed experts, fp4 in the fp8 checkpoint, else bf16;
+- ``shared_experts.w{1,2,3}.{weight,scale}``: the one shared expert, fp8 or bf16.
+
+Numerics (``config.numerics``):
+
+- ``"exact"``: the reference's loop over experts, torch top-k routing; bitwise equal on CPU.
+- ``"fast"``: routing by the Triton kernel on CUDA (torch elsewhere), experts run on one
+  expert-sorted copy of the tokens and scattered back with one ``index_add_``. Each row still gets
+  its expert outputs added in ascending expert order, so on CPU it equals the exact loop given the
+  same expert GEMMs; the ``"fast"`` GEMMs themselves are dequantized bf16 matmuls (see
+  ``quantization_deepseek_v41_vl.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..triton_ops.moe_routing import route_topk, router_scores
+from .quantization_deepseek_v41_vl import DeepseekV41Linear
+
+
+class DeepseekV41MoEError(ValueError):
+    """Bad MoE configuration or input (shape, dtype, unsupported option)."""
+
+
+def moe_weight_dtypes(quantization_config: dict | None) -> tuple[str, str]:
+    """Storage dtypes ``(routed, shared)`` of the expert linears for a checkpoint.
+
+    Mirrors `MoE.__init__`: routed experts use ``expert_dtype`` ("fp4") when set, otherwise the
+    checkpoint's dtype; the shared expert always uses the checkpoint's dtype.
+
+    Args:
+        quantization_config: the top-level config's ``quantization_config`` (a dict or an object
+            with ``to_dict``), or None for a bf16 checkpoint.
+
+    Returns:
+        ``("fp4", "fp8")`` for the released fp8 checkpoint, ``("bf16", "bf16")`` without quantization.
+
+    Raises:
+        DeepseekV41MoEError: a quantization method other than fp8, or an unknown expert dtype.
+    """
+    if quantization_config is None:
+        return "bf16", "bf16"
+    if not isinstance(quantization_config, dict):
+        quantization_config = quantization_config.to_dict()
+    method = quantization_config.get("quant_method")
+    if method != "fp8":
+        raise DeepseekV41MoEError(f"unsupported quant_method {method!r} (expected 'fp8' or no quantization_config)")
+    routed = quantization_config.get("expert_dtype") or "fp8"
+    if routed not in ("fp4", "fp8"):
+        raise DeepseekV41MoEError(f"expert_dtype must be 'fp4' or 'fp8', got {routed!r}")
+    return routed, "fp8"
+
+
+def _moe_shape(config, layer_idx: int | None) -> tuple[int, int]:
+    """(routed experts, experts per token) of a layer. Mirrors `ModelArgs.get_moe_config`: the
+    DSpark/MTP layers after the backbone may use their own counts."""
+    if layer_idx is None or layer_idx < config.num_hidden_layers:
+        return config.n_routed_experts, config.num_experts_per_tok
+    return (
+        config.dspark_n_routed_experts or config.n_routed_experts,
+        config.dspark_num_experts_per_tok or config.num_experts_per_tok,
+    )
+
+
+class DeepseekV41Gate(nn.Module):
+    """Router: sqrt-softplus scores, bias-steered top-k, weights from the unbiased scores.
+
+    Mirrors `inference/model.py: Gate.forward` with ``score_func="sqrtsoftplus"``:
+    ``scores = sqrt(softplus(x_fp32 @ W_fp32.T / gate_temp))``; experts = top-k of
+    ``scores + bias`` (``bias_vl`` on image-span rows); weights = the chosen unbiased scores,
+    divided by ``(their sum + 1e-20)`` when ``norm_topk_prob`` and k > 1, times ``route_scale``.
+
+    Parameters: ``weight`` bf16 ``[E, D]``; ``bias``, ``bias_vl`` fp32 ``[E]``.
+
+    Args:
+        config: `DeepseekV41TextConfig` (``hidden_size``, ``n_routed_experts``,
+            ``num_experts_per_tok``, ``scoring_func``, ``gate_temp``, ``norm_topk_prob``,
+            ``routed_scaling_factor``, ``numerics``).
+        layer_idx: selects the DSpark expert counts for layers past ``num_hidden_layers``.
+
+    Raises:
+        DeepseekV41MoEError: a ``scoring_func`` other than ``"sqrtsoftplus"`` (the only one V4.1 uses).
+    """
+
+    def __init__(self, config, layer_idx: int | None = None):
+        super().__init__()
+        if config.scoring_func != "sqrtsoftplus":
+            raise DeepseekV41MoEError(f"scoring_func {config.scoring_func!r} is not supported (V4.1 uses 'sqrtsoftplus')")
+        self.n_routed_experts, self.top_k = _moe_shape(config, layer_idx)
+        self.hidden_size = config.hidden_size
+        self.gate_temp = config.gate_temp
+        self.norm_topk_prob = config.norm_topk_prob
+        self.route_scale = config.routed_scaling_factor
+        self.numerics = config.numerics
+        self.weight = nn.Parameter(torch.empty(self.n_routed_experts, self.hidden_size, dtype=torch.bfloat16))
+        self.bias = nn.Parameter(torch.empty(self.n_routed_experts, dtype=torch.float32))
+        self.bias_vl = nn.Parameter(torch.empty(self.n_routed_experts, dtype=torch.float32))
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[N, E]`` = ``x.float() @ weight.float().T`` (the reference's fp32 GEMM, before
+        the temperature). `x` is ``[N, D]``."""
+        return F.linear(x.float(), self.weight.float())
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """Unbiased fp32 scores ``[N, E]`` (what the weights are gathered from)."""
+        return router_scores(self.router_logits(x), self.gate_temp)
+
+    def forward(self, x: torch.Tensor, image_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route tokens.
+
+        Args:
+            x: ``[N, D]`` token rows (bf16 in the model).
+            image_rows: bool ``[N]``, True on image-span rows (START/NEWLINE/END included), which
+                select ``bias_vl``; None uses ``bias`` everywhere (text, decode).
+
+        Returns:
+            ``(weights, indices)``: fp32 ``[N, k]`` and int64 ``[N, k]``.
+
+        Raises:
+            DeepseekV41MoEError: `x` not ``[N, hidden_size]``.
+            MoERoutingError: `image_rows` not bool ``[N]``.
+        """
+        if x.dim() != 2 or x.size(-1) != self.hidden_size:
+            raise DeepseekV41MoEError(f"gate input must be [N, {self.hidden_size}], got {tuple(x.shape)}")
+        # exact: torch.topk, whose tie choice is the reference's; fast: the fused kernel on CUDA
+        backend = "torch" if self.numerics == "exact" else "auto"
+        return route_topk(
+            self.router_logits(x),
+            self.bias,
+            self.bias_vl,
+            image_rows,
+            self.top_k,
+            self.route_scale,
+            gate_temp=self.gate_temp,
+            backend=backend,
+            norm_topk_prob=self.norm_topk_prob,
+        )
+
+    def extra_repr(self) -> str:
+        return f"n_routed_experts={self.n_routed_experts}, top_k={self.top_k}, route_scale={self.route_scale}"
+
+
+class DeepseekV41Expert(nn.Module):
+    """One SwiGLU expert with the training clamps. Mirrors `inference/model.py: Expert.forward`.
+
+    ``g = w1(x).float()``, ``u = w3(x).float()``; with ``swiglu_limit > 0``: ``u`` clamped to
+    ``[-limit, limit]``, ``g`` clamped above at ``limit``; ``h = silu(g) * u``; a routed expert then
+    multiplies ``h`` by its routing weight in fp32 (before the down projection, not after);
+    ``out = w2(h.to(x.dtype))``.
+
+    Args:
+        hidden_size, intermediate_size: ``D`` and the expert width.
+        weight_dtype: storage of w1/w2/w3 (``"bf16"``, ``"fp8"``, ``"fp4"``).
+        swiglu_limit: the clamp; 0 disables it.
+        numerics: ``"fast"`` or ``"exact"``, handed to the linears.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, weight_dtype: str, swiglu_limit: float, numerics: str):
+        super().__init__()
+        self.w1 = DeepseekV41Linear(hidden_size, intermediate_size, weight_dtype=weight_dtype, numerics=numerics)
+        self.w2 = DeepseekV41Linear(intermediate_size, hidden_size, weight_dtype=weight_dtype, numerics=numerics)
+        self.w3 = DeepseekV41Linear(hidden_size, intermediate_size, weight_dtype=weight_dtype, numerics=numerics)
+        self.swiglu_limit = swiglu_limit
+
+    def forward(self, x: torch.Tensor, routing_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """x ``[n, D]`` (bf16); routing_weights fp32 ``[n, 1]`` or None (shared expert) -> ``[n, D]``
+        in ``x.dtype``."""
+        gate = self.w1(x).float()
+        up = self.w3(x).float()
+        if self.swiglu_limit > 0:
+            up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+            gate = gate.clamp(max=self.swiglu_limit)
+        hidden = F.silu(gate) * up
+        if routing_weights is not None:
+            hidden = routing_weights * hidden
+        return self.w2(hidden.to(x.dtype))
+
+
+class DeepseekV41MoE(nn.Module):
+    """Routed experts + one shared expert. Mirrors `inference/model.py: MoE.forward`.
+
+    ``y = Σ_routed w_e · expert_e(x)`` accumulated in fp32 (the weight applied inside the expert),
+    expert by expert in ascending id; ``y += shared_experts(x)`` (a bf16 output added into fp32);
+    the result is cast to ``x.dtype``.
+
+    Args:
+        config: `DeepseekV41TextConfig` (MoE shape, ``swiglu_limit``, ``numerics``).
+        layer_idx: selects the DSpark expert counts for layers past ``num_hidden_layers``.
+        quantization_config: optional override of the storage, as a ``quantization_config`` dict
+            (see :func:`moe_weight_dtypes`). By default the storage is read from the text config:
+            ``expert_weight_dtype`` for the routed experts, ``weight_dtype`` for the shared one
+            (the composite config sets both from the checkpoint's ``quantization_config``).
+
+    Raises:
+        DeepseekV41MoEError: ``n_shared_experts != 1`` (the reference supports exactly one) or a
+            bad quantization config.
+    """
+
+    def __init__(self, config, layer_idx: int | None = None, quantization_config: dict | None = None):
+        super().__init__()
+        if config.n_shared_experts != 1:
+            raise DeepseekV41MoEError(f"n_shared_experts must be 1, got {config.n_shared_experts}")
+        if quantization_config is not None:
+            routed_dtype, shared_dtype = moe_weight_dtypes(quantization_config)
+        else:
+            routed_dtype = getattr(config, "expert_weight_dtype", "bf16")
+            shared_dtype = getattr(config, "weight_dtype", "bf16")
+        self.hidden_size = config.hidden_size
+        self.numerics = config.numerics
+        self.gate = DeepseekV41Gate(config, layer_idx)
+        self.n_routed_experts = self.gate.n_routed_experts
+        inter = config.moe_intermediate_size
+        self.experts = nn.ModuleList(
+            DeepseekV41Expert(config.hidden_size, inter, routed_dtype, config.swiglu_limit, config.numerics)
+            for _ in range(self.n_routed_experts)
+        )
+        self.shared_experts = DeepseekV41Expert(config.hidden_size, inter, shared_dtype, config.swiglu_limit, config.numerics)
+
+    def _routed_exact(self, x, weights, indices) -> torch.Tensor:
+        # the reference's loop: one expert at a time, its rows in (token, slot) order
+        out = torch.zeros_like(x, dtype=torch.float32)
+        counts = torch.bincount(indices.flatten(), minlength=self.n_routed_experts).tolist()
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows, slots = torch.where(indices == e)
+            out[rows] += self.experts[e](x[rows], weights[rows, slots, None])
+        return out
+
+    def _routed_grouped(self, x, weights, indices) -> torch.Tensor:
+        # one stable sort by expert: expert e's rows are a contiguous slice, in the same
+        # (token, slot) order as the exact loop; index_add_ then adds per row in expert order
+        top_k = indices.size(1)
+        flat_ids = indices.flatten()
+        order = torch.argsort(flat_ids, stable=True)
+        rows = order // top_k
+        x_sorted = x[rows]
+        w_sorted = weights.flatten()[order].unsqueeze(-1)
+        counts = torch.bincount(flat_ids, minlength=self.n_routed_experts).tolist()
+        y_sorted = torch.empty_like(x_sorted)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            end = start + count
+            y_sorted[start:end] = self.experts[e](x_sorted[start:end], w_sorted[start:end])
+            start = end
+        out = torch.zeros_like(x, dtype=torch.float32)
+        return out.index_add_(0, rows, y_sorted.float())
+
+    def forward(self, hidden_states: torch.Tensor, image_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Apply the MoE FFN.
+
+        Args:
+            hidden_states: ``[B, S, D]`` (bf16), the ``ffn_norm`` output.
+            image_rows: bool ``[B, S]``, True on every image-span position (START, NEWLINE and END
+                included: ``token_types >= 0``); None for text-only input and decode.
+
+        Returns:
+            ``[B, S, D]`` in ``hidden_states.dtype``.
+
+        Raises:
+            DeepseekV41MoEError: wrong shapes, or `image_rows` not a bool ``[B, S]`` tensor.
+        """
+        if hidden_states.dim() != 3 or hidden_states.size(-1) != self.hidden_size:
+            raise DeepseekV41MoEError(f"hidden_states must be [B, S, {self.hidden_size}], got {tuple(hidden_states.shape)}")
+        if image_rows is not None and (image_rows.dtype != torch.bool or image_rows.shape != hidden_states.shape[:2]):
+            raise DeepseekV41MoEError(
+                f"image_rows must be bool {tuple(hidden_states.shape[:2])}, got {image_rows.dtype} {tuple(image_rows.shape)}"
+            )
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, self.hidden_size)
+        weights, indices = self.gate(x, None if image_rows is None else image_rows.reshape(-1))
+        if self.numerics == "exact":
+            out = self._routed_exact(x, weights, indices)
+        else:
+            out = self._routed_grouped(x, weights, indices)
+        out += self.shared_experts(x)
+        return out.to(hidden_states.dtype).view(shape)
+
+
+__all__ = [
+    "DeepseekV41Expert",
+    "DeepseekV41Gate",
+    "DeepseekV41MoE",
+    "DeepseekV41MoEError",
+    "moe_weight_dtypes",
+]
