@@ -10,7 +10,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
+import torch
+
+# Triton picks interpreter or compiler when a kernel is *defined*, and transformers imports triton
+# early. Without a GPU every Triton test runs in the interpreter, so the switch is set here, before
+# any test module (or transformers) imports triton; the tests then do not depend on their order.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
