@@ -5,6 +5,10 @@ Subcommands:
           bundled one when no `--image` is given): the image plan (ViT and LLM grids, pixels,
           span length), the prompt's token layout with the real V4.1 tokenizer, and timings.
           Later it loads a model folder and generates.
+    convert    Official checkpoint folder -> self-contained transformers model folder
+               (`deepseek_v41_vl.conversion.convert.convert_checkpoint`).
+    make-tiny  A small random checkpoint in the official format, with the real tokenizer
+               (`deepseek_v41_vl.conversion.make_tiny.make_tiny`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,25 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--image", action="append", default=None, help="image path (repeatable); default: bundled photo")
     run.add_argument("--prompt", default=DEFAULT_PROMPT, help="user text that goes with the images")
     run.add_argument("--allow-urls", action="store_true", help="allow http(s) URLs for --image")
+
+    conv = sub.add_parser("convert", help="official checkpoint folder -> self-contained transformers model folder")
+    conv.add_argument("src", help="official layout: shards + model.safetensors.index.json (or model.safetensors), config, tokenizer")
+    conv.add_argument("dst", help="folder to create")
+    conv.add_argument("--dtype", choices=["bf16"], default=None, help="dequantize fp8 linears and fp4 experts to bf16 (default: keep)")
+    conv.add_argument("--link", action="store_true", help="write no tensor: symlink the source shards (transformed at load time)")
+    conv.add_argument("--text-only", action="store_true", help="drop the vision tower")
+    conv.add_argument("--verify", action="store_true", help="re-read every written tensor and compare it with the source")
+    conv.add_argument("--force", action="store_true", help="replace an existing DST")
+    conv.add_argument("--max-slice-mib", type=int, default=512, help="working-memory bound of the tensor streaming (MiB)")
+    conv.add_argument("--max-shard-gib", type=float, default=5.0, help="size of the written shards (GiB)")
+    conv.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    tiny = sub.add_parser("make-tiny", help="a small random checkpoint in the official format, with the real tokenizer")
+    tiny.add_argument("dir", help="folder to create")
+    tiny.add_argument("--seed", type=int, default=0, help="value seed (the output is byte-identical per seed)")
+    tiny.add_argument("--variant", choices=["fp8", "bf16"], default="fp8", help="fp8 linears + fp4 experts, or all bf16")
+    tiny.add_argument("--mtp", action="store_true", help="add one DSpark/MTP block (mtp.0.*)")
+    tiny.add_argument("--force", action="store_true", help="replace an existing DIR")
     return parser
 
 
@@ -60,11 +83,44 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from deepseek_v41_vl.conversion.convert import convert_checkpoint
+
+    summary = convert_checkpoint(
+        args.src,
+        args.dst,
+        dtype=args.dtype,
+        link=args.link,
+        text_only=args.text_only,
+        verify=args.verify,
+        force=args.force,
+        max_slice_bytes=args.max_slice_mib * 1024**2,
+        max_shard_bytes=int(args.max_shard_gib * 1024**3),
+        progress=not args.quiet,
+    )
+    print(summary.format())
+    return 0
+
+
+def _make_tiny(args: argparse.Namespace) -> int:
+    from deepseek_v41_vl.conversion.make_tiny import make_tiny
+
+    path = make_tiny(args.dir, seed=args.seed, variant=args.variant, mtp=args.mtp, force=args.force)
+    files = sorted(p.name for p in path.iterdir())
+    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    print(f"wrote {path} ({args.variant}, seed {args.seed}): {len(files)} entries, {size / 1024**2:.1f} MiB")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     try:
         if args.command == "run":
             return _run(args)
+        if args.command == "convert":
+            return _convert(args)
+        if args.command == "make-tiny":
+            return _make_tiny(args)
     except ValueError as err:  # the project's errors are ValueError subclasses with clear messages
         print(f"deepseek-v41-vl {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ Dataflow of one layer (x = attn_norm output, bf16 ``[B, S, dim]``)::
                                  ──inverse RoPE──grouped wo_a (bf16 einsum)──wo_b──► [B,S,dim]
 
 Layers hand things down the stack within one forward: kv sources publish compressed KV and index
-keys, index sources publish top-k indices, the candidate source publishes its candidate mask.
+keys, index sources publish top-k indices, the candidate source publishes its candidate blocks.
 Here that is explicit: the caller creates one :class:`DeepseekV41AttentionState` per forward (around
 a :class:`DeepseekV41AttentionCache` that persists across forwards for decoding) and passes it to
 every layer in order. Nothing is kept in module globals.
@@ -21,6 +21,15 @@ every layer in order. Nothing is kept in module globals.
 Numerics follow the reference op for op (fp32 RMSNorm/RoPE/pooling, bf16 index scores, the
 online-softmax order of `kernel.sparse_attn`), so on CPU with ``numerics="exact"`` the outputs are
 bitwise equal to the reference's.
+
+``numerics="fast"`` keeps every value's formula but bounds memory for long prefills: the query
+path (wq_b, attention, wo_a/wo_b), the indexer (queries, scores, both top-k levels) and the ratio-2
+compressor run over query chunks, each indexer chunk scores only the compressed positions visible
+to it, and the candidate source hands down kept block ids ``[B, S, <= candidate_topk_blocks]``
+instead of a ``[B, S, T]`` mask. What stays per forward is O(S x (window + index_topk)) indices
+plus one chunk's intermediates. The attention itself runs through
+`triton_ops/sparse_attention.py` (the Triton kernel on CUDA, its torch fallback elsewhere; exact
+numerics always take the fallback with the reference's op shapes).
 """
 
 from __future__ import annotations
@@ -31,10 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..triton_ops.sparse_attention import SPARSE_ATTN_BLOCK
+from ..triton_ops.sparse_attention import sparse_attention as sparse_attention_op
 from .quantization_deepseek_v41_vl import DeepseekV41Linear, fake_quant_fp4, fake_quant_fp8
 from .rope_deepseek_v41_vl import DeepseekV41RotaryEmbedding, apply_rotary
 
-SPARSE_ATTN_BLOCK = 64  # indices per online-softmax step of `kernel.sparse_attn`
 # Compressed KV: fp4 in groups of 16 with e4m3 scales; indexer q/k: groups of 32 with e8m0 scales.
 COMPRESSED_KV_FP4 = (16, "e4m3")
 INDEXER_FP4 = (32, "ue8m0")
@@ -43,12 +53,18 @@ INDEXER_FP4 = (32, "ue8m0")
 # "fast" numerics bound the largest intermediates by splitting the queries into chunks; "exact"
 # keeps the reference's single-call shapes (CPU GEMM rounding may depend on them).
 FAST_MAX_ELEMENTS = 1 << 26
+# On a GPU a larger budget (0.5 GiB of bf16 per intermediate) keeps each chunk's kernels long
+# enough that launch overhead stays small against their run time.
+FAST_MAX_ELEMENTS_CUDA = 1 << 28
 
 
-def _query_chunk(numerics: str, per_query_elements: int) -> int | None:
+def _query_chunk(numerics: str, per_query_elements: int, device: torch.device | None = None) -> int | None:
+    """Queries per chunk so that a chunk's largest intermediate stays within the budget; None = all
+    at once (exact numerics)."""
     if numerics == "exact":
         return None
-    return max(1, FAST_MAX_ELEMENTS // max(per_query_elements, 1))
+    budget = FAST_MAX_ELEMENTS_CUDA if device is not None and device.type == "cuda" else FAST_MAX_ELEMENTS
+    return max(1, budget // max(per_query_elements, 1))
 
 
 class DeepseekV41AttentionError(ValueError):
@@ -150,7 +166,12 @@ class DeepseekV41AttentionState:
         cache: persistent per-layer caches (a fresh one when not given).
         topk_idxs: index source layer -> its top-k compressed indices ``[B, S, k]`` (int32, already
             offset into the concatenated KV, -1 = none).
-        candidates: the candidate source's bool mask ``[B, S, T]`` (None until it ran).
+        candidates: ``numerics="exact"``: the candidate source's bool mask ``[B, S, T]``, as the
+            reference keeps it (None until it ran).
+        candidate_blocks: ``numerics="fast"``: the candidate source's kept block ids
+            ``[B, S, min(candidate_topk_blocks, ceil(T / candidate_block_size))]``, -1 = none,
+            int16 (int32 past 32767 blocks) (None until it ran). The same set as `candidates`, in
+            O(S x candidate_topk_blocks) memory instead of O(S x T).
         record_index_scores: keep each indexer's masked scores in `index_scores` (tests, analysis).
     """
 
@@ -158,6 +179,7 @@ class DeepseekV41AttentionState:
     cache: DeepseekV41AttentionCache = field(default_factory=DeepseekV41AttentionCache)
     topk_idxs: dict[int, torch.Tensor] = field(default_factory=dict)
     candidates: torch.Tensor | None = None
+    candidate_blocks: torch.Tensor | None = None
     record_index_scores: bool = False
     index_scores: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -182,20 +204,21 @@ def window_topk_idxs(window: int, batch: int, seqlen: int, start_pos: int, devic
     return idxs.int().unsqueeze(0).expand(batch, -1, -1).contiguous()
 
 
-def select_candidate_blocks(
+def candidate_block_ids(
     scores: torch.Tensor, compress_lens: torch.Tensor | int, topk_blocks: int, block_size: int
 ) -> torch.Tensor:
-    """Level one of the two-level top-k: keep the `topk_blocks` best blocks of `block_size` positions.
+    """Level one of the two-level top-k, as block ids: the `topk_blocks` best blocks of `block_size`.
 
     Args:
         scores: ``[..., T]`` index scores with unreachable positions at -inf.
         compress_lens: visible compressed count per query (broadcasts against the leading dims), or
             an int during decode.
     Returns:
-        bool ``[..., T]``: True inside a kept block. A block's score is its max; the block holding the
-        query's newest visible position is always kept; picks that came back -inf are dropped.
+        int64 ``[..., min(topk_blocks, ceil(T / block_size))]``: kept block ids in `topk` order, -1
+        for picks that came back -inf (dropped). A block's score is its max; the block holding the
+        query's newest visible position is always kept.
 
-    Mirrors `inference/model.py: select_candidate_blocks`.
+    Mirrors `inference/model.py: select_candidate_blocks` up to the expansion to positions.
     """
     width = scores.size(-1)
     blocks = F.pad(scores, (0, -width % block_size), value=-torch.inf).unflatten(-1, (-1, block_size)).amax(dim=-1)
@@ -203,8 +226,37 @@ def select_candidate_blocks(
     newest = (compress_lens - 1) // block_size
     blocks = blocks.masked_fill(torch.arange(n_blocks, device=scores.device) == newest, torch.inf)
     top = blocks.topk(min(topk_blocks, n_blocks), dim=-1)
-    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > -torch.inf)
-    return keep.repeat_interleave(block_size, dim=-1)[..., :width]
+    return torch.where(top.values > -torch.inf, top.indices, -1)
+
+
+def candidate_mask_from_blocks(block_ids: torch.Tensor, width: int, block_size: int) -> torch.Tensor:
+    """Expand kept block ids ``[..., kb]`` (-1 = none) to a bool mask ``[..., width]`` over positions.
+
+    Ids at or beyond ``ceil(width / block_size)`` select nothing inside `width`.
+    """
+    n_blocks = -(-width // block_size)
+    dump = torch.where((block_ids < 0) | (block_ids >= n_blocks), n_blocks, block_ids).long()
+    keep = torch.zeros(*block_ids.shape[:-1], n_blocks + 1, dtype=torch.bool, device=block_ids.device)
+    keep.scatter_(-1, dump, True)
+    return keep[..., :n_blocks].repeat_interleave(block_size, dim=-1)[..., :width]
+
+
+def select_candidate_blocks(
+    scores: torch.Tensor, compress_lens: torch.Tensor | int, topk_blocks: int, block_size: int
+) -> torch.Tensor:
+    """Level one of the two-level top-k as a position mask (the reference's form).
+
+    Args:
+        scores: ``[..., T]`` index scores with unreachable positions at -inf.
+        compress_lens: visible compressed count per query (broadcasts against the leading dims), or
+            an int during decode.
+    Returns:
+        bool ``[..., T]``: True inside a kept block (see :func:`candidate_block_ids`).
+
+    Mirrors `inference/model.py: select_candidate_blocks`.
+    """
+    ids = candidate_block_ids(scores, compress_lens, topk_blocks, block_size)
+    return candidate_mask_from_blocks(ids, scores.size(-1), block_size)
 
 
 def sparse_attention(
@@ -214,53 +266,28 @@ def sparse_attention(
     topk_idxs: torch.Tensor,
     softmax_scale: float,
     query_chunk: int | None = None,
+    backend: str = "torch",
 ) -> torch.Tensor:
-    """Single-latent-head attention over gathered rows with an attention sink.
+    """Single-latent-head attention over gathered rows with an attention sink, in the reference's
+    argument order (`kernel.sparse_attn(q, kv, attn_sink, topk_idxs, softmax_scale)`).
 
     Args:
         q: bf16 ``[B, M, H, D]``; kv: bf16 ``[B, N, D]`` (K = V); attn_sink: fp32 ``[H]`` (a logit in
-            the denominator only, unscaled); topk_idxs: int ``[B, M, K]`` rows of kv, -1 = none.
+            the denominator only, unscaled); topk_idxs: int32 ``[B, M, K]`` rows of kv, -1 = none.
         softmax_scale: multiplies q.k.
-        query_chunk: process this many queries at a time (bounds the gathered ``[B, chunk, 64, D]``
-            block); None = all at once, which is the reference's exact op shapes.
+        query_chunk: torch backend: this many queries at a time (None = all at once, the
+            reference's exact op shapes).
+        backend: ``"torch"`` (default: the reference's op sequence), ``"triton"`` or ``"auto"``.
 
     Returns:
         bf16 ``[B, M, H, D]``; a row without any valid index gives 0.
 
-    Numerics of `kernel.sparse_attn` (the torch port `kernel_cpu.sparse_attn`): online softmax over
-    blocks of 64 indices, running max from -1e30, fp32 denominator, probabilities rounded to bf16
-    (relative to the running max) before the PV product, sink added at the end.
+    Raises:
+        SparseAttentionError: see `triton_ops/sparse_attention.py: sparse_attention`, which this
+            calls (the one implementation of the semantics: online softmax over blocks of 64
+            indices, bf16 probabilities before PV, sink in the denominator).
     """
-    m = q.size(1)
-    if query_chunk is not None and query_chunk < m:
-        return torch.cat(
-            [
-                sparse_attention(q[:, i : i + query_chunk], kv, attn_sink, topk_idxs[:, i : i + query_chunk], softmax_scale)
-                for i in range(0, m, query_chunk)
-            ],
-            dim=1,
-        )
-    b, m, h, d = q.shape
-    scale = torch.tensor(softmax_scale, dtype=torch.float32, device=q.device)
-    q32, kv32 = q.float(), kv.float()
-    out = torch.zeros(b, m, h, d, dtype=torch.float32, device=q.device)
-    denom = torch.zeros(b, m, h, dtype=torch.float32, device=q.device)
-    run_max = torch.full((b, m, h), -1e30, dtype=torch.float32, device=q.device)
-    rows = torch.arange(b, device=q.device).view(b, 1, 1)
-    for start in range(0, topk_idxs.size(-1), SPARSE_ATTN_BLOCK):
-        idx = topk_idxs[:, :, start : start + SPARSE_ATTN_BLOCK].long()
-        valid = idx != -1
-        block_kv = kv32[rows, idx.clamp_min(0)] * valid.unsqueeze(-1)  # [b, m, k, d]
-        logits = torch.einsum("bmhd,bmkd->bmhk", q32, block_kv)
-        logits = torch.where(valid.unsqueeze(2), logits, -torch.inf) * scale
-        prev_max = run_max
-        run_max = torch.maximum(prev_max, logits.amax(dim=-1))
-        rescale = torch.exp(prev_max - run_max)
-        probs = torch.exp(logits - run_max.unsqueeze(-1))
-        denom = denom * rescale + probs.sum(dim=-1)
-        out = out * rescale.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", probs.to(torch.bfloat16).float(), block_kv)
-    denom = denom + torch.exp(attn_sink.float() - run_max)
-    return (out / denom.unsqueeze(-1)).to(torch.bfloat16)
+    return sparse_attention_op(q, kv, topk_idxs, attn_sink, softmax_scale, backend=backend, query_chunk=query_chunk)
 
 
 # --------------------------------------------------------------------------- submodules
@@ -280,7 +307,9 @@ class DeepseekV41Compressor(nn.Module):
     - ratio > 1: x in fp32, kv = wkv(x), score = wgate(x) (fp32 weights), per-channel softmax of the
       score over the group's tokens, latent = sum(kv * softmax), cast to bf16, then norm. Groups are
       aligned to absolute positions (r*j .. r*j + r-1); a trailing partial group is parked in the
-      cache and completed by decode steps.
+      cache and completed by decode steps. ``numerics="fast"`` projects and pools the prefill in
+      chunks of whole groups (the fp32 copy of x is the largest intermediate); the values are the
+      same.
 
     Mirrors `inference/model.py: Compressor`.
     """
@@ -288,6 +317,7 @@ class DeepseekV41Compressor(nn.Module):
     def __init__(self, config, layer_id: int, numerics: str):
         super().__init__()
         self.ratio = config.compress_ratios[layer_id]
+        self.numerics = numerics
         head_dim = config.head_dim
         self.norm = DeepseekV41RMSNorm(head_dim, config.rms_norm_eps)
         if self.ratio == 1:
@@ -297,35 +327,58 @@ class DeepseekV41Compressor(nn.Module):
             self.wgate = DeepseekV41Linear(config.hidden_size, head_dim, "fp32", numerics)
 
     def forward(self, x: torch.Tensor, start_pos: int, cache: DeepseekV41LayerAttentionCache) -> torch.Tensor | None:
-        """x bf16 ``[B, S, dim]`` -> bf16 latents ``[B, n, head_dim]`` or None (no group completed)."""
+        """x bf16 ``[B, S, dim]`` -> bf16 latents ``[B, n, head_dim]`` or None (no group completed).
+
+        Raises:
+            DeepseekV41AttentionError: a decode step (start_pos > 0) before any prefill.
+        """
         ratio, dtype = self.ratio, x.dtype
         if ratio == 1:
             return self.norm(self.wkv(x))
-        bsz, seqlen, _ = x.shape
-        x = x.float()
-        kv, score = self.wkv(x), self.wgate(x)
         if start_pos == 0:
-            cache.compressor_kv = kv.new_zeros(bsz, ratio, kv.size(-1))
-            cache.compressor_score = kv.new_full((bsz, ratio, kv.size(-1)), -torch.inf)
-            tail = seqlen % ratio
-            if tail:
-                cache.compressor_kv[:, :tail] = kv[:, seqlen - tail :]
-                cache.compressor_score[:, :tail] = score[:, seqlen - tail :]
-                kv, score = kv[:, : seqlen - tail], score[:, : seqlen - tail]
-            if seqlen < ratio:
-                return None
-            kv, score = kv.unflatten(1, (-1, ratio)), score.unflatten(1, (-1, ratio))
-            pooled = (kv * score.softmax(dim=2)).sum(dim=2)
-        else:
-            if cache.compressor_kv is None:
-                raise DeepseekV41AttentionError("decode step before any prefill: the compressor has no state")
-            slot = start_pos % ratio
-            cache.compressor_kv[:, slot] = kv.squeeze(1)
-            cache.compressor_score[:, slot] = score.squeeze(1)
-            if (start_pos + 1) % ratio:
-                return None
-            pooled = (cache.compressor_kv * cache.compressor_score.softmax(dim=1)).sum(dim=1, keepdim=True)
+            pooled = self._prefill(x, cache)
+            return None if pooled is None else self.norm(pooled.to(dtype))
+        if cache.compressor_kv is None:
+            raise DeepseekV41AttentionError("decode step before any prefill: the compressor has no state")
+        x = x.float()
+        slot = start_pos % ratio
+        cache.compressor_kv[:, slot] = self.wkv(x).squeeze(1)
+        cache.compressor_score[:, slot] = self.wgate(x).squeeze(1)
+        if (start_pos + 1) % ratio:
+            return None
+        pooled = (cache.compressor_kv * cache.compressor_score.softmax(dim=1)).sum(dim=1, keepdim=True)
         return self.norm(pooled.to(dtype))
+
+    def _prefill(self, x: torch.Tensor, cache: DeepseekV41LayerAttentionCache) -> torch.Tensor | None:
+        """Pooled fp32 groups ``[B, S // ratio, D]`` of a prefill (None if S < ratio); parks the tail."""
+        ratio = self.ratio
+        bsz, seqlen, dim = x.shape
+        head_dim = self.wkv.out_features
+        cache.compressor_kv = x.new_zeros(bsz, ratio, head_dim, dtype=torch.float32)
+        cache.compressor_score = x.new_full((bsz, ratio, head_dim), -torch.inf, dtype=torch.float32)
+        full = seqlen - seqlen % ratio
+        chunk = _query_chunk(self.numerics, bsz * (dim + 2 * head_dim), x.device)
+        if chunk is None:
+            spans = [(0, seqlen)]  # exact: one projection of every row, the reference's GEMM shapes
+        else:
+            step = max(ratio, chunk - chunk % ratio)
+            spans = [(r, min(r + step, full)) for r in range(0, full, step)]
+            if full < seqlen:
+                spans.append((full, seqlen))
+        pooled = []
+        for r0, r1 in spans:
+            xf = x[:, r0:r1].float()
+            kv, score = self.wkv(xf), self.wgate(xf)
+            if r1 > full:  # this span ends with the partial group: park it for decode
+                cache.compressor_kv[:, : seqlen - full] = kv[:, full - r0 :]
+                cache.compressor_score[:, : seqlen - full] = score[:, full - r0 :]
+            n_rows = min(r1, full) - r0
+            if n_rows > 0:
+                kv, score = kv[:, :n_rows].unflatten(1, (-1, ratio)), score[:, :n_rows].unflatten(1, (-1, ratio))
+                pooled.append((kv * score.softmax(dim=2)).sum(dim=2))
+        if not pooled:
+            return None
+        return pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=1)
 
 
 class DeepseekV41Indexer(nn.Module):
@@ -334,9 +387,14 @@ class DeepseekV41Indexer(nn.Module):
     Index keys (owners = kv sources only): k = fp4(RoPE(k_norm(wk(latent)))) at the group-first
     positions, published for later layers. Queries: q = fp4(RoPE(wq_b(qr))) [B, S, IH, Id].
     score[t, j] = sum_h relu(q[t,h] . k[j]) * weights_proj(x)[t,h] * Id^-0.5 * IH^-0.5, in bf16;
-    invisible positions (j >= (t+1)//ratio) are -inf; the candidate source publishes its block mask
-    and candidate users mask their scores with it; top-k (unsorted) then sorted, invisible -> -1,
+    invisible positions (j >= (t+1)//ratio) are -inf; the candidate source publishes its kept blocks
+    and candidate users mask their scores with them; top-k (unsorted) then sorted, invisible -> -1,
     the rest + offset.
+
+    Queries are processed in chunks (``numerics="fast"``; exact mode takes all at once): each chunk
+    computes its own index queries and weights, scores only the positions visible to its last query
+    (a prefill chunk ending at row r sees ``r // ratio`` positions), and runs both top-k levels, so
+    one chunk's ``[B, chunk, index_n_heads, T]`` product is the largest intermediate.
 
     Mirrors `inference/model.py: Indexer` and `select_candidate_blocks`.
     """
@@ -383,57 +441,101 @@ class DeepseekV41Indexer(nn.Module):
         offset: int,
     ) -> torch.Tensor:
         """x ``[B, S, dim]`` (attn_norm output), qr ``[B, S, q_lora]``, freqs the queries' rotation
-        -> int32 ``[B, S, min(index_topk, end//ratio)]`` indices into the concatenated KV."""
+        -> int32 ``[B, S, min(index_topk, end//ratio)]`` indices into the concatenated KV.
+
+        Raises:
+            DeepseekV41AttentionError: no index keys published yet, or a candidate user running
+                before the candidate source.
+        """
         bsz, seqlen, _ = x.shape
         end_pos = state.start_pos + seqlen
-        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = fake_quant_fp4(apply_rotary(q, freqs), *INDEXER_FP4)
-
         publisher = state.cache.index_k_publisher
         if publisher is None:
             raise DeepseekV41AttentionError(f"layer {self.layer_id}: no index keys were published before its indexer")
         index_k = state.cache.layer(publisher).index_k.rows(end_pos // self.ratio)
-        weights = self.weights_proj(x) * self.weights_scale
-        chunk = _query_chunk(self.numerics, bsz * self.n_heads * index_k.size(1)) or seqlen
+        chunk = _query_chunk(self.numerics, bsz * self.n_heads * index_k.size(1), x.device) or seqlen
         idxs, scores_kept, candidates = [], [], []
         for row0 in range(0, seqlen, chunk):
             rows = slice(row0, min(row0 + chunk, seqlen))
-            chunk_idxs, chunk_scores, chunk_candidates = self._select(
-                q[:, rows], weights[:, rows], index_k, state, rows, offset
-            )
+            q = self.wq_b(qr[:, rows]).unflatten(-1, (self.n_heads, self.head_dim))
+            q = fake_quant_fp4(apply_rotary(q, freqs[rows]), *INDEXER_FP4)
+            weights = self.weights_proj(x[:, rows]) * self.weights_scale
+            chunk_idxs, chunk_scores, chunk_candidates = self._select(q, weights, index_k, state, rows, offset)
             idxs.append(chunk_idxs)
-            scores_kept.append(chunk_scores)
+            if state.record_index_scores:
+                scores_kept.append(chunk_scores)
             candidates.append(chunk_candidates)
         if self.is_candidate_source:
-            state.candidates = candidates[0] if len(candidates) == 1 else torch.cat(candidates, dim=1)
+            merged = candidates[0] if len(candidates) == 1 else torch.cat(candidates, dim=1)
+            if self.numerics == "exact":
+                state.candidates = merged
+            else:
+                state.candidate_blocks = merged
         if state.record_index_scores:
             state.index_scores[self.layer_id] = scores_kept[0] if len(scores_kept) == 1 else torch.cat(scores_kept, dim=1)
         return idxs[0] if len(idxs) == 1 else torch.cat(idxs, dim=1)
 
+    def _candidate_mask(self, state: DeepseekV41AttentionState, rows: slice, width: int) -> torch.Tensor:
+        """The candidate source's kept positions for the queries `rows`, bool ``[B, rows, width]``."""
+        if state.candidates is not None:
+            return state.candidates[:, rows, :width]
+        if state.candidate_blocks is not None:
+            return candidate_mask_from_blocks(state.candidate_blocks[:, rows], width, self.candidate_block_size)
+        raise DeepseekV41AttentionError(f"layer {self.layer_id} uses candidates but none were published")
+
     def _select(self, q, weights, index_k, state: DeepseekV41AttentionState, rows: slice, offset: int):
-        """Scores, masks and top-k for the queries `rows` of this forward (all of them in exact mode)."""
+        """Scores, masks and top-k for the queries `rows` of this forward (all of them in exact mode).
+
+        Returns (int32 indices ``[B, rows, k]``, bf16 masked scores ``[B, rows, T]`` (only when
+        recorded, else None), this chunk's candidates: exact mode a bool mask ``[B, rows, T]``, fast
+        mode block ids ``[B, rows, kb]``; None unless this layer is the candidate source).
+        """
         start_pos, ratio = state.start_pos, self.ratio
-        scores = torch.einsum("bshd,btd->bsht", q, index_k)
-        scores = (scores.relu_() * weights.unsqueeze(-1)).sum(dim=2)
+        n_keys = index_k.size(1)
+        k = min(self.index_topk, n_keys)
+        if start_pos == 0 and self.numerics != "exact":
+            # positions past the chunk's last visible one are -inf for every query of the chunk:
+            # leave them out (exact mode keeps the reference's full-width shapes)
+            n_keys = min(n_keys, rows.stop // ratio)
+        bsz, n_rows = q.size(0), q.size(1)
 
         if start_pos == 0:
             # query t sees compressed position j once its group is complete: j < (t + 1) // ratio
             compress_lens = (torch.arange(rows.start + 1, rows.stop + 1, device=q.device) // ratio).unsqueeze(-1)
-            scores.masked_fill_(torch.arange(index_k.size(1), device=q.device) >= compress_lens, -torch.inf)
         else:
             compress_lens = (start_pos + 1) // ratio  # one decode query
+        if n_keys == 0:  # no query of this chunk sees any compressed position yet
+            scores = q.new_empty(bsz, n_rows, 0)
+        else:
+            scores = torch.einsum("bshd,btd->bsht", q, index_k[:, :n_keys])
+            scores = (scores.relu_() * weights.unsqueeze(-1)).sum(dim=2)
+            if start_pos == 0:
+                scores.masked_fill_(torch.arange(n_keys, device=q.device) >= compress_lens, -torch.inf)
 
         candidates = None
         if self.is_candidate_source:
-            candidates = select_candidate_blocks(scores, compress_lens, self.candidate_topk_blocks, self.candidate_block_size)
+            if self.numerics == "exact":
+                candidates = select_candidate_blocks(scores, compress_lens, self.candidate_topk_blocks, self.candidate_block_size)
+            else:
+                # every chunk's ids padded to the width a full-width selection would have
+                n_blocks = -(-index_k.size(1) // self.candidate_block_size)
+                n_kept = min(self.candidate_topk_blocks, n_blocks)
+                if n_keys:
+                    candidates = candidate_block_ids(scores, compress_lens, self.candidate_topk_blocks, self.candidate_block_size)
+                else:
+                    candidates = torch.empty(bsz, n_rows, 0, dtype=torch.long, device=q.device)
+                id_dtype = torch.int16 if n_blocks <= torch.iinfo(torch.int16).max else torch.int32
+                candidates = F.pad(candidates, (0, n_kept - candidates.size(-1)), value=-1).to(id_dtype)
         elif self.uses_candidates:
-            if state.candidates is None:
-                raise DeepseekV41AttentionError(f"layer {self.layer_id} uses candidates but none were published")
-            scores = scores.masked_fill(~state.candidates[:, rows], -torch.inf)
+            scores = scores.masked_fill(~self._candidate_mask(state, rows, n_keys), -torch.inf)
 
-        k = min(self.index_topk, index_k.size(1))
-        idxs = scores.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
-        return torch.where(idxs < compress_lens, idxs + offset, -1).int(), scores, candidates
+        picked = scores.topk(min(k, n_keys), dim=-1, sorted=False).indices.sort(dim=-1).values
+        idxs = torch.where(picked < compress_lens, picked + offset, -1).int()
+        if idxs.size(-1) < k:  # fast mode, a chunk seeing fewer than k positions: pad with "none"
+            idxs = F.pad(idxs, (0, k - idxs.size(-1)), value=-1)
+        if state.record_index_scores and n_keys < index_k.size(1):
+            scores = F.pad(scores, (0, index_k.size(1) - n_keys), value=-torch.inf)
+        return idxs, (scores if state.record_index_scores else None), candidates
 
 
 class DeepseekV41Attention(nn.Module):
@@ -446,7 +548,9 @@ class DeepseekV41Attention(nn.Module):
 
     Args:
         config: `DeepseekV41TextConfig` (roles from `kv_source_layer_ids`, `index_source_layer_ids`,
-            `candidate_source_layer_id`, `compress_ratios`; numerics from `config.numerics`).
+            `candidate_source_layer_id`, `compress_ratios`; numerics from `config.numerics`; the
+            optional attribute `attention_backend` (``"auto"``, ``"triton"``, ``"torch"``) sets
+            :attr:`attention_backend`).
         layer_id: index in the backbone.
         weight_dtype: storage of the quantizable projections (wq_a, wq_b, wkv, wo_b, indexer.wq_b):
             ``"fp8"`` for the released checkpoint, ``"bf16"`` for a bf16 one; default
@@ -493,6 +597,10 @@ class DeepseekV41Attention(nn.Module):
             DeepseekV41Indexer(config, layer_id, weight_dtype, numerics) if self.is_index_source else None
         )
         self.rotary = DeepseekV41RotaryEmbedding.for_layer(config, layer_id)
+        # sparse attention implementation in fast numerics: None = $DEEPSEEK_V41_SPARSE_ATTN_BACKEND,
+        # else auto (the Triton kernel on CUDA, the torch fallback elsewhere); exact numerics
+        # always take the fallback. A plain attribute: callers (benchmarks, tests) may set it.
+        self.attention_backend: str | None = getattr(config, "attention_backend", None)
 
     # -- window KV ----------------------------------------------------------------------------
     def _window_kv(self, x, freqs, state: DeepseekV41AttentionState):
@@ -576,9 +684,7 @@ class DeepseekV41Attention(nn.Module):
             )
         x = hidden_states
         freqs = self.rotary(torch.arange(start_pos, start_pos + seqlen, device=x.device))
-
         qr = self.q_norm(self.wq_a(x))
-        q = apply_rotary(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), freqs)
 
         kv, idxs = self._window_kv(x, freqs, state)
         if self.ratio:
@@ -586,11 +692,31 @@ class DeepseekV41Attention(nn.Module):
             kv = torch.cat([kv, compressed], dim=1)
             idxs = torch.cat([idxs, compressed_idxs], dim=-1)
 
-        chunk = _query_chunk(self.numerics, bsz * SPARSE_ATTN_BLOCK * (self.head_dim + self.n_heads))
-        o = sparse_attention(q, kv, self.attn_sink, idxs, self.softmax_scale, chunk)
+        # fast: the query path in chunks, so q and o ([B, S, H, D] each) exist one chunk at a time
+        chunk = _query_chunk(self.numerics, bsz * self.n_heads * self.head_dim, x.device) or seqlen
+        outs = [
+            self._attend(qr[:, r : r + chunk], freqs[r : r + chunk], kv, idxs[:, r : r + chunk])
+            for r in range(0, seqlen, chunk)
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def _attend(self, qr: torch.Tensor, freqs: torch.Tensor, kv: torch.Tensor, idxs: torch.Tensor) -> torch.Tensor:
+        """Queries of some rows through attention and the output projection.
+
+        qr ``[B, n, q_lora]``, freqs their rotation, kv ``[B, N, D]``, idxs int32 ``[B, n, K]``
+        -> bf16 ``[B, n, dim]``.
+        """
+        bsz, n_rows, _ = qr.shape
+        q = apply_rotary(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), freqs)
+        if self.numerics == "exact":
+            backend, chunk = "torch", None  # the reference's op sequence and shapes
+        else:
+            backend = self.attention_backend or "auto"
+            chunk = _query_chunk(self.numerics, bsz * SPARSE_ATTN_BLOCK * (self.head_dim + self.n_heads), q.device)
+        o = sparse_attention_op(q, kv, idxs, self.attn_sink, self.softmax_scale, backend=backend, query_chunk=chunk)
         o = apply_rotary(o, freqs, inverse=True)
         # heads g*H/G .. (g+1)*H/G-1 form group g; each group has its own o_lora_rank slice of wo_a
-        o = o.view(bsz, seqlen, self.n_groups, -1)
+        o = o.view(bsz, n_rows, self.n_groups, -1)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
         o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
         return self.wo_b(o.flatten(2))
@@ -605,6 +731,8 @@ __all__ = [
     "DeepseekV41Indexer",
     "DeepseekV41LayerAttentionCache",
     "DeepseekV41RMSNorm",
+    "candidate_block_ids",
+    "candidate_mask_from_blocks",
     "select_candidate_blocks",
     "sparse_attention",
     "window_topk_idxs",

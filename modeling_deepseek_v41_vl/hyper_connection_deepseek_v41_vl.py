@@ -141,7 +141,9 @@ class DeepseekV41HyperConnection(nn.Module):
         """
         self._check_stream(x, "x")
         if fn.shape != ((2 + self.hc_mult) * self.hc_mult, self.hc_mult * x.size(-1)):
-            raise DeepseekV41HyperConnectionError(f"fn has shape {tuple(fn.shape)}, incompatible with x {tuple(x.shape)}")
+            raise DeepseekV41HyperConnectionError(
+                f"fn has shape {tuple(fn.shape)}, incompatible with x {tuple(x.shape)}"
+            )
         flat = x.flatten(2).float()
         # one RMS statistic over all N*D values of a token, applied after the projection, no weight
         rsqrt = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)

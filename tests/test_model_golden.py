@@ -1,0 +1,323 @@
+"""End-to-end parity of the V4.1 VL backbone with the reference, bit for bit (numerics="exact").
+
+For both tiny golden models (`model_tiny_bf16`, `model_tiny_fp8`) and both runs (the VL run with
+two images, the batch-2 text run) this checks, with `torch.equal`:
+
+- prefill: `embed.lookup`, `embed.merged`, `image{k}.aligner_out`, `engram_hash_ids`, per block
+  `pre_mix_in`, `block_in` (Engram layers), `attn_out`, `indexer.topk_idxs`, `gate.*`,
+  `block_out`, then `final_hc_collapsed`, `head_in`, the full `logits`, the returned last-position
+  logits and the first generated token;
+- 12 greedy decode steps through :class:`DeepseekV41Cache`: `engram_hash_ids`, `gate.*`,
+  `indexer.*.topk_idxs`, `logits`, `token`;
+- each block alone, teacher-forced with the golden block input and pre-mix (localizes a failure
+  to one block).
+
+A failure names the FIRST boundary (in dataflow order) that differs.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The model imports the Triton MoE router. Triton picks its CPU interpreter when a kernel is
+# defined, so the variable must be set before the first import of triton in the test session
+# (test_triton_*.py rely on it); the model itself runs its torch paths on CPU either way.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41AttentionState
+from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache, DeepseekV41CacheError
+from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
+from deepseek_v41_vl.modeling.engram_deepseek_v41_vl import build_compressed_token_map
+from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import (
+    DeepseekV41ModelError,
+    DeepseekV41Transformer,
+    capture_intermediates,
+    image_token_roles,
+)
+from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import dequantize_fp8_weight
+
+VARIANTS = ("model_tiny_bf16", "model_tiny_fp8")
+RUNS = ("vl", "text")
+DECODE_STEPS = 12
+
+
+# --------------------------------------------------------------------------------------------
+# Loading (golden README section 6, "Converting to module dtypes")
+# --------------------------------------------------------------------------------------------
+
+
+def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: DeepseekV41Config) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors -> module dtypes: I8 experts viewed as packed fp4, `head` and ratio>1
+    compressor weights to fp32, fp8 `wo_a` dequantized to bf16 with its block scale (dropped)."""
+    ratios = config.text_config.compress_ratios
+    out = {}
+    for name, tensor in checkpoint.items():
+        if name.endswith("attn.wo_a.scale"):
+            continue
+        if name.endswith("attn.wo_a.weight") and tensor.dtype == torch.float8_e4m3fn:
+            tensor = dequantize_fp8_weight(tensor, checkpoint[name.removesuffix("weight") + "scale"])
+        elif name == "head.weight":
+            tensor = tensor.float()
+        elif ".attn.compressor.w" in name and ratios[int(name.split(".")[1])] > 1:
+            tensor = tensor.float()
+        elif tensor.dtype == torch.int8:
+            tensor = tensor.view(torch.float4_e2m1fn_x2)
+        out[name] = tensor
+    return out
+
+
+def load_golden_model(folder: Path) -> DeepseekV41Transformer:
+    config = DeepseekV41Config.from_reference_args(folder / "config.json", numerics="exact")
+    model = DeepseekV41Transformer(config).eval()
+    state = convert_checkpoint(load_file(folder / "model.safetensors"), config)
+    # the one tensor the checkpoint lacks: the Engram token map, built from the tokenizer
+    token_map, _ = build_compressed_token_map(
+        Tokenizer.from_file(str(folder / "tokenizer.json")), config.text_config.engram_compressed_vocab_size
+    )
+    state["engram_hash.token_map"] = token_map
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # The fixtures were made with one thread (two give the same bits); these tiny ops gain nothing
+    # from intra-op threads, and on a loaded 2-core runner OpenMP spinning slows them several-fold.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+_MODELS: dict[str, DeepseekV41Transformer] = {}
+_RESULTS: dict[tuple[str, str], dict] = {}
+
+
+def golden_model(golden: Path, variant: str) -> DeepseekV41Transformer:
+    if variant not in _MODELS:
+        _MODELS[variant] = load_golden_model(golden / variant)
+    return _MODELS[variant]
+
+
+def run_inputs(golden: Path, variant: str, run: str) -> tuple[dict, dict]:
+    """(golden tensors of the run, model inputs of its prefill)."""
+    folder = golden / variant
+    tensors = load_file(folder / f"{run}.safetensors")
+    inputs = {"input_ids": tensors["input_ids"]}
+    if run == "vl":
+        images = json.loads((folder / "meta.json").read_text())["vl_run"]["images"]
+        patches = load_file(golden / "preprocess" / "patches_small.safetensors")
+        inputs["mm_token_type_ids"] = (tensors["token_types"] >= 0).long()
+        inputs["pixel_values"] = torch.cat([patches[im["patches_key_in_preprocess_patches_small"]] for im in images])
+        inputs["image_grid_thw"] = torch.tensor([[1, im["n_vit_h"], im["n_vit_w"]] for im in images])
+    return tensors, inputs
+
+
+def run_reference_sequence(golden: Path, variant: str, run: str) -> dict:
+    """Prefill then 12 decode steps fed the golden tokens; every boundary captured."""
+    key = (variant, run)
+    if key in _RESULTS:
+        return _RESULTS[key]
+    model = golden_model(golden, variant)
+    tensors, inputs = run_inputs(golden, variant, run)
+    cache = DeepseekV41Cache(model.config)
+    with torch.no_grad(), capture_intermediates(model) as prefill:
+        out = model(**inputs, cache=cache, logits_to_keep=0)
+    prefill = dict(prefill, logits=out.logits)
+    with torch.no_grad():
+        # what the default logits_to_keep=1 computes: the head GEMM over [B, D]
+        prefill["logits_last_returned"] = model.head(out.last_hidden_state[:, -1])
+    prefill["next_token"] = prefill["logits_last_returned"].argmax(-1)
+    # what the KV sources left in the cache for the decode steps (RoPE'd fp4 latents, index keys)
+    seqlen = inputs["input_ids"].size(1)
+    text_config = model.config.text_config
+    for source in text_config.kv_source_layer_ids:
+        layer_cache = cache.attention.layer(source)
+        rows = seqlen // text_config.compress_ratios[source]
+        prefill[f"compress_kv_cache.{source}"] = layer_cache.compressed_kv.rows(rows).clone()
+        prefill[f"index_k_cache.{source}"] = layer_cache.index_k.rows(rows).clone()
+    decode: dict[str, list[torch.Tensor]] = {}
+    token = tensors["prefill.next_token"]
+    for step in range(DECODE_STEPS):
+        with torch.no_grad(), capture_intermediates(model) as captured:
+            out = model(token.view(-1, 1), cache=cache)
+        captured["logits"] = out.logits[:, -1]
+        captured["token"] = captured["logits"].argmax(-1)
+        for name, value in captured.items():
+            decode.setdefault(name, []).append(value)
+        token = tensors["decode.token"][step]  # teacher-forced, so one divergence does not cascade
+    _RESULTS[key] = {"tensors": tensors, "prefill": prefill, "decode": decode, "cache": cache}
+    return _RESULTS[key]
+
+
+# --------------------------------------------------------------------------------------------
+# Comparison helpers
+# --------------------------------------------------------------------------------------------
+
+
+def prefill_boundaries(n_layers: int, tensors: dict) -> list[str]:
+    """Golden prefill names the port must reproduce, in dataflow order."""
+    names = ["embed.lookup"]
+    names += sorted(k.removeprefix("prefill.") for k in tensors if k.endswith(".aligner_out"))
+    names += ["embed.merged", "engram_hash_ids"]
+    for i in range(n_layers):
+        names += [f"pre_mix_in.{i}", f"block_in.{i}", f"attn_out.{i}", f"indexer.{i}.topk_idxs"]
+        names += [f"gate.{i}.biased_scores", f"gate.{i}.indices", f"gate.{i}.weights", f"block_out.{i}"]
+    names += ["final_hc_collapsed", "head_in", "logits", "logits_last_returned", "next_token"]
+    names += sorted(k.removeprefix("prefill.") for k in tensors if "_cache." in k)
+    return [n for n in names if f"prefill.{n}" in tensors]
+
+
+def describe(ours: torch.Tensor, ref: torch.Tensor) -> str:
+    if ours.shape != ref.shape or ours.dtype != ref.dtype:
+        return f"ours {ours.dtype}{tuple(ours.shape)} vs golden {ref.dtype}{tuple(ref.shape)}"
+    diff = (ours.double() - ref.double()).abs()
+    return f"{int((diff > 0).sum())} of {diff.numel()} elements differ, max abs {diff.max().item():.3g}"
+
+
+def first_mismatches(pairs: list[tuple[str, torch.Tensor | None, torch.Tensor]]) -> list[str]:
+    bad = []
+    for name, ours, ref in pairs:
+        if ours is None:
+            bad.append(f"{name}: not captured")
+        elif not (ours.dtype == ref.dtype and ours.shape == ref.shape and torch.equal(ours, ref)):
+            bad.append(f"{name}: {describe(ours, ref)}")
+    return bad
+
+
+def assert_all_equal(pairs, what: str) -> None:
+    bad = first_mismatches(pairs)
+    assert not bad, f"{what}: FIRST differing boundary is {bad[0]}; {len(bad)} of {len(pairs)} differ: " + "; ".join(
+        bad[:8]
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Tests
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_checkpoint_is_a_strict_state_dict(golden, variant):
+    model = golden_model(golden, variant)
+    config = model.config
+    state = convert_checkpoint(load_file(golden / variant / "model.safetensors"), config)
+    ours = model.state_dict()
+    # every checkpoint tensor lands under its own name and module dtype; only the token map is extra
+    assert set(ours) - set(state) == {"engram_hash.token_map"}
+    assert set(state) <= set(ours)
+    for name, tensor in state.items():
+        assert ours[name].dtype == tensor.dtype and ours[name].shape == tensor.shape, name
+    del state["layers.0.hc_attn_fn"]
+    fresh = DeepseekV41Transformer(config)
+    with pytest.raises(RuntimeError, match="layers.0.hc_attn_fn"):
+        fresh.load_state_dict(state, strict=True)
+
+
+def test_image_roles_rebuild_the_reference_token_types(golden):
+    tensors, inputs = run_inputs(golden, "model_tiny_bf16", "vl")
+    roles = image_token_roles(inputs["mm_token_type_ids"], inputs["image_grid_thw"], 3)
+    assert torch.equal(roles, tensors["token_types"])
+
+
+def test_image_roles_reject_spans_that_do_not_fit(golden):
+    _, inputs = run_inputs(golden, "model_tiny_bf16", "vl")
+    mm, grid = inputs["mm_token_type_ids"], inputs["image_grid_thw"]
+    with pytest.raises(DeepseekV41ModelError, match="needs a span of"):
+        image_token_roles(mm, grid.flip(0), 3)
+    with pytest.raises(DeepseekV41ModelError, match="more image spans"):
+        image_token_roles(mm, grid[:1], 3)
+    with pytest.raises(DeepseekV41ModelError, match="has 3 images but"):
+        image_token_roles(mm, torch.cat([grid, grid[:1]]), 3)
+    with pytest.raises(DeepseekV41ModelError, match="only 0"):
+        image_token_roles(mm * 2, grid, 3)
+    model = golden_model(golden, "model_tiny_bf16")
+    with pytest.raises(DeepseekV41ModelError, match="no pixel_values"):
+        model(inputs["input_ids"], inputs["mm_token_type_ids"])
+    shifted = dict(inputs, mm_token_type_ids=inputs["mm_token_type_ids"].roll(1, dims=1))
+    with pytest.raises(DeepseekV41ModelError, match="image_token_id 500"):
+        model(**shifted)
+
+
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_is_bit_exact(golden, variant, run):
+    result = run_reference_sequence(golden, variant, run)
+    tensors, ours = result["tensors"], result["prefill"]
+    n_layers = golden_model(golden, variant).config.text_config.num_hidden_layers
+    names = prefill_boundaries(n_layers, tensors)
+    # the ones the port must cover, present in both runs
+    required = ("embed.lookup", "engram_hash_ids", "block_out.0", "pre_mix_in.7", "gate.7.weights", "logits")
+    for name in required + ("compress_kv_cache.1", "index_k_cache.4"):
+        assert name in names
+    if run == "vl":
+        assert {"embed.merged", "image0.aligner_out", "image1.aligner_out", "attn_out.0"} <= set(names)
+    assert_all_equal([(n, ours.get(n), tensors[f"prefill.{n}"]) for n in names], f"{variant} {run} prefill")
+
+
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_is_bit_exact(golden, variant, run):
+    result = run_reference_sequence(golden, variant, run)
+    tensors, decode = result["tensors"], result["decode"]
+    names = [k.removeprefix("decode.") for k in tensors if k.startswith("decode.")]
+    # dataflow order within a step: hashes, then layer by layer, then the output
+    def position(name: str) -> float:
+        if name in ("logits", "token"):
+            return float("inf") if name == "token" else 1e9
+        parts = name.split(".")
+        return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else -1
+
+    names.sort(key=position)
+    assert {"logits", "token", "engram_hash_ids", "gate.0.indices", "indexer.6.topk_idxs"} <= set(names)
+    pairs = []
+    for step in range(DECODE_STEPS):
+        for n in names:
+            ours = decode[n][step] if n in decode else None
+            pairs.append((f"step {step} {n}", ours, tensors[f"decode.{n}"][step]))
+    assert_all_equal(pairs, f"{variant} {run} decode")
+    assert result["cache"].get_seq_length() == tensors["input_ids"].size(1) + DECODE_STEPS
+
+
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_block_teacher_forced(golden, variant, run):
+    """Block i fed the golden input and pre-mix (blocks in order, sharing one attention state)."""
+    model = golden_model(golden, variant)
+    tensors, inputs = run_inputs(golden, variant, run)
+    index = json.loads((golden / variant / "meta.json").read_text())["hidden_state_index"]
+    image_mask = inputs["mm_token_type_ids"].bool() if run == "vl" else None
+    state = DeepseekV41AttentionState(start_pos=0)
+    pairs = []
+    with torch.no_grad(), capture_intermediates(model) as captured:
+        for i, layer in enumerate(model.layers):
+            x = tensors[index[str(i)]["entering_block"]]
+            out, _ = layer.block(x, tensors[f"prefill.pre_mix_in.{i}"], state, image_mask)
+            names = [f"attn_out.{i}", f"indexer.{i}.topk_idxs", f"gate.{i}.indices", f"gate.{i}.weights"]
+            pairs += [(n, captured.get(n), tensors[f"prefill.{n}"]) for n in names if f"prefill.{n}" in tensors]
+            pairs.append((f"block_out.{i}", out, tensors[f"prefill.block_out.{i}"]))
+    assert len(pairs) >= 3 * len(model.layers)
+    assert_all_equal(pairs, f"{variant} {run} teacher-forced blocks")
+
+
+def test_decode_needs_one_token_per_step_and_no_late_images(golden):
+    model = golden_model(golden, "model_tiny_bf16")
+    tensors, inputs = run_inputs(golden, "model_tiny_bf16", "vl")
+    cache = DeepseekV41Cache(model.config)
+    ids = tensors["input_ids"][:, :8]
+    with torch.no_grad():
+        model(ids, cache=cache)
+        with pytest.raises(ValueError, match="one-token decode"):
+            model(ids[:, :2], cache=cache)
+        with pytest.raises(DeepseekV41ModelError, match="position 0"):
+            model(**inputs, cache=cache)
+    with pytest.raises(DeepseekV41CacheError):
+        cache.crop(1)
