@@ -179,9 +179,9 @@ class DeepseekV41AttentionState:
     cache: DeepseekV41AttentionCache = field(default_factory=DeepseekV41AttentionCache)
     topk_idxs: dict[int, torch.Tensor] = field(default_factory=dict)
     candidates: torch.Tensor | None = None
-    candidate_blocks: torch.Tensor | None = None
     record_index_scores: bool = False
     index_scores: dict[int, torch.Tensor] = field(default_factory=dict)
+    candidate_blocks: torch.Tensor | None = None  # last: keeps the older fields' positions
 
 
 # --------------------------------------------------------------------------- index helpers
@@ -297,7 +297,7 @@ def _latent_positions(start_pos: int, seqlen: int, ratio: int, device) -> torch.
     """Positions of the latents a forward emits: each latent takes its group's first token."""
     if start_pos == 0:
         return torch.arange(0, seqlen - seqlen % ratio, ratio, device=device)
-    return torch.tensor([start_pos + 1 - ratio], device=device)
+    return torch.arange(start_pos + 1 - ratio, start_pos + 2 - ratio, device=device)  # made on device: no copy
 
 
 class DeepseekV41Compressor(nn.Module):

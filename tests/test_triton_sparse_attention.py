@@ -25,6 +25,13 @@ from test_attention import _random_layers, _tiny_config  # noqa: E402
 SPLIT = {"BLOCK_H": 16, "BLOCK_DV": 16, "BLOCK_D": 16}  # output dims split over programs
 
 
+def _tiling(name: str, d: int):
+    """The kernel's three code paths: one whole-head-dim tile (the interpreter default), output
+    dims split over programs, and scores over head-dim chunks with whole-dim values."""
+    d_pad = max(16, 1 << (d - 1).bit_length())
+    return {"whole": None, "split": SPLIT, "chunked-qk": {"BLOCK_H": 16, "BLOCK_DV": d_pad, "BLOCK_D": 16}}[name]
+
+
 def _inputs(b, m, h, d, n, k, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, m, h, d, generator=g).to(torch.bfloat16)
@@ -53,13 +60,13 @@ def _assert_within_bf16_rounding(out, ref):
         (1, 4, 17, 16, 20, 7),  # fewer indices than one block; two head blocks
     ],
 )
-@pytest.mark.parametrize("config", [None, SPLIT], ids=["whole-dim", "split-dim"])
-def test_kernel_matches_fallback(b, m, h, d, n, k, config):
+@pytest.mark.parametrize("tiling", ["whole", "split", "chunked-qk"])
+def test_kernel_matches_fallback(b, m, h, d, n, k, tiling):
     q, kv, idx, sink = _inputs(b, m, h, d, n, k, seed=b * 1000 + m * 100 + k)
     idx[0, -1] = -1  # a query without any valid index
     scale = d**-0.5
     ref = sa.sparse_attention_torch(q, kv, idx, sink, scale)
-    out = sa.sparse_attention_triton(q, kv, idx, sink, scale, config=config)
+    out = sa.sparse_attention_triton(q, kv, idx, sink, scale, config=_tiling(tiling, d))
     _assert_within_bf16_rounding(out, ref)
     assert torch.equal(out[0, -1], torch.zeros(h, d, dtype=torch.bfloat16))
 
@@ -95,8 +102,8 @@ def test_kernel_rounds_probabilities_to_bf16_per_64_block():
     idx[0, 0] = torch.arange(65)
     idx[0, 1, 0], idx[0, 1, 1] = 0, 65
     sink = torch.tensor([-100.0])
-    for config in (None, SPLIT):
-        out = sa.sparse_attention_triton(q, kv, idx, sink, 1.0, config=config)
+    for tiling in ("whole", "split", "chunked-qk"):
+        out = sa.sparse_attention_triton(q, kv, idx, sink, 1.0, config=_tiling(tiling, 32))
         assert out[0, 1, 0, 1].item() == 0.0
         want = (64 * e - 64 * bf16_e) / (64 * e + 1)
         assert out[0, 0, 0, 1].item() == pytest.approx(want, rel=1e-2)
@@ -120,6 +127,57 @@ def test_empty_rows_give_zero_never_nan():
         sa.sparse_attention(q, kv, idx64, sink, 1.0, backend="triton"),
         sa.sparse_attention(q, kv, idx64.int(), sink, 1.0, backend="triton"),
     )
+
+
+def test_autotune_candidates_fit_the_shape():
+    """The GPU autotuner's candidates, pruned per shape: never wider than the padded heads / head
+    dim, and always at least one tiling (tiny shapes get the whole-dim one)."""
+    real = sa._prune_configs(sa._autotune_configs(), {"n_heads": 64}, D_PAD=512)
+    assert len(real) == len(sa._autotune_configs())
+    tiny = sa._prune_configs(sa._autotune_configs(), {"n_heads": 3}, D_PAD=32)
+    assert [c.kwargs for c in tiny] == [{"BLOCK_H": 16, "BLOCK_DV": 32, "BLOCK_D": 32}]
+    mid = sa._prune_configs(sa._autotune_configs(), {"n_heads": 20}, D_PAD=128)
+    assert mid and all(c.kwargs["BLOCK_H"] <= 32 and c.kwargs["BLOCK_DV"] <= 128 for c in mid)
+
+
+_SM90_COMPILE = """
+import inspect, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+from deepseek_v41_vl.triton_ops import sparse_attention as sa
+
+block_h, block_dv, block_d, warps, stages = json.loads(sys.argv[1])
+consts = dict(HEAD_DIM=512, D_PAD=512, BLOCK_H=block_h, BLOCK_N=64, BLOCK_DV=block_dv, BLOCK_D=block_d, UPCAST_DOT=False)
+types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32", "scale": "fp32"}
+params = list(inspect.signature(sa._sparse_attn_kernel).parameters)
+signature = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
+aligned = [p for p in params if p.endswith("_ptr") or p.startswith("stride") or p in ("n_heads", "n_idx")]
+attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in aligned}
+source = ASTSource(JITFunction(sa._sparse_attn_kernel), signature, consts, attrs)
+kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+print(json.dumps({"shared": kernel.metadata.shared, "wgmma": "wgmma" in kernel.asm["ptx"]}))
+"""
+
+
+@pytest.mark.parametrize("tiling", [(64, 512, 512, 8, 1), (64, 512, 128, 8, 1)], ids=["whole", "chunked-qk"])
+def test_kernel_compiles_for_the_h200(tiling):
+    """The interpreter does not lower to the GPU: compile the production shape (head_dim 512,
+    64 heads, aligned inputs) for sm_90 offline and check it fits the H200's 227 KiB of shared
+    memory and runs its products on Hopper tensor cores (wgmma). In a subprocess: this process
+    runs the interpreter, which patches triton.language."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", _SM90_COMPILE, json.dumps(list(tiling))], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["shared"] <= 227 * 1024 and result["wgmma"], result
 
 
 def test_backend_resolution_and_errors(monkeypatch):

@@ -19,13 +19,16 @@ Two backends with these semantics:
   it is bit-exact to the reference (what ``numerics="exact"`` uses). ``query_chunk`` bounds the
   gathered ``[B, chunk, 64, D]`` fp32 block; chunking does not change any value.
 - ``"triton"``: one launch. The model is MQA with one KV head, so a program owns one query and a
-  block of heads: it gathers each 64-index block of KV rows once and uses it for all its heads,
-  first as K (``q @ k^T`` on tensor cores, fp32 accumulate) and then as V (``p_bf16 @ v``). With
-  ``BLOCK_DV == head_dim`` (the default for small head dims, one candidate of the autotuner for
-  512) the row tile loaded for the scores is reused, transposed, for the values; otherwise the
-  output dims are split across programs and each re-reads the rows (from L2). Accumulators are
-  fp32; the bf16 roundings (probabilities, output) are round-to-nearest-even. It agrees with the
-  fallback to within those bf16 roundings (different fp32 summation order, GPU ``exp``).
+  block of heads (``BLOCK_H``, up to all 64): it gathers each 64-index block of KV rows once and
+  uses it for all its heads, first as K (``q @ k^T`` on tensor cores, fp32 accumulate) and then
+  as V (``p_bf16 @ v``). Tilings: with ``BLOCK_D == BLOCK_DV == head_dim`` q stays loaded and the
+  row tile loaded for the scores is reused, transposed, for the values; with ``BLOCK_D <
+  head_dim`` the scores are summed over head-dim chunks and the values re-read (from L1/L2); with
+  ``BLOCK_DV < head_dim`` the output dims are split over programs. On CUDA an autotuner picks the
+  tiling per (heads, head dim, decode- or prefill-sized call) among candidates that compile for
+  sm_90 within the H200's shared memory; the interpreter uses the whole-dim tiling. Accumulators
+  are fp32; the bf16 roundings (probabilities, output) are round-to-nearest-even. It agrees with
+  the fallback to within those bf16 roundings (fp32 summation order, GPU ``exp``).
 
 Choosing one, strongest first: the ``backend`` argument; the environment variable
 ``DEEPSEEK_V41_SPARSE_ATTN_BACKEND`` (read at each call, only when ``backend`` is ``"auto"``);
@@ -166,25 +169,31 @@ if triton is not None:
 
     def _sparse_attn_kernel(
         q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr,
-        n_queries, n_heads, head_dim, n_idx,
+        n_queries, n_heads, n_idx,
         stride_qb, stride_qm, stride_qh,
         stride_kvb, stride_kvn,
         stride_ib, stride_im,
         stride_ob, stride_om, stride_oh,
         scale,
         QUERY_BUCKET,  # autotuning key only: decode-sized and prefill-sized calls tune apart
-        D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST_DOT: tl.constexpr,
     ):
         # One program: one query row (b, m), BLOCK_H heads, BLOCK_DV output dims.
+        # Bulk loads carry no masks (masks cost registers on [64, 512] tiles): heads past n_heads
+        # re-read the last head, an empty slot reads row 0, dims past HEAD_DIM re-read the last
+        # dim; q's padded dims are zeroed so they add nothing to q.k, an empty slot's score is set
+        # to -inf (probability 0), and the padded heads / dims are not stored.
         pid_q = tl.program_id(0)
         b = (pid_q // n_queries).to(tl.int64)
         m = (pid_q % n_queries).to(tl.int64)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        head_ok = heads < n_heads
+        q_rows = q_ptr + b * stride_qb + m * stride_qm + tl.minimum(heads, n_heads - 1).to(tl.int64)[:, None] * stride_qh
         dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-        dv_ok = dv < head_dim
-        q_rows = q_ptr + b * stride_qb + m * stride_qm + heads.to(tl.int64)[:, None] * stride_qh
+        if D_PAD == HEAD_DIM:
+            dv_ld = dv
+        else:
+            dv_ld = tl.minimum(dv, HEAD_DIM - 1)
         kv_base = kv_ptr + b * stride_kvb
         idx_row = idx_ptr + b * stride_ib + m * stride_im
         slots = tl.arange(0, BLOCK_N)
@@ -192,9 +201,10 @@ if triton is not None:
         run_max = tl.full([BLOCK_H], -1.0e30, tl.float32)
         denom = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-        if BLOCK_DV == D_PAD:
-            # the whole head dim in this program: q stays loaded, each row tile serves K and V
-            q_all = tl.load(q_rows + dv[None, :], mask=head_ok[:, None] & dv_ok[None, :], other=0.0)
+        if BLOCK_D == D_PAD and BLOCK_DV == D_PAD:
+            # the whole head dim in one tile: q stays loaded, each row tile serves K and V
+            q_all = tl.load(q_rows + dv_ld[None, :])
+            q_all = tl.where(dv[None, :] < HEAD_DIM, q_all, 0.0).to(q_all.dtype)
             if UPCAST_DOT:
                 q_all = q_all.to(tl.float32)
         for start in range(0, n_idx, BLOCK_N):
@@ -202,8 +212,8 @@ if triton is not None:
             idx = tl.load(idx_row + cols, mask=cols < n_idx, other=-1)
             valid = idx >= 0
             rows = kv_base + tl.where(valid, idx, 0).to(tl.int64) * stride_kvn
-            if BLOCK_DV == D_PAD:
-                kt = tl.load(rows[None, :] + dv[:, None], mask=valid[None, :] & dv_ok[:, None], other=0.0)
+            if BLOCK_D == D_PAD and BLOCK_DV == D_PAD:
+                kt = tl.load(rows[None, :] + dv_ld[:, None])  # [D_PAD, BLOCK_N]
                 if UPCAST_DOT:
                     kt = kt.to(tl.float32)
                 scores = tl.dot(q_all, kt)
@@ -212,14 +222,18 @@ if triton is not None:
                 scores = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
                 for d0 in tl.static_range(0, D_PAD, BLOCK_D):
                     dk = d0 + tl.arange(0, BLOCK_D)
-                    dk_ok = dk < head_dim
-                    qc = tl.load(q_rows + dk[None, :], mask=head_ok[:, None] & dk_ok[None, :], other=0.0)
-                    kc = tl.load(rows[None, :] + dk[:, None], mask=valid[None, :] & dk_ok[:, None], other=0.0)
+                    if D_PAD == HEAD_DIM:
+                        dk_ld = dk
+                    else:
+                        dk_ld = tl.minimum(dk, HEAD_DIM - 1)
+                    qc = tl.load(q_rows + dk_ld[None, :])
+                    qc = tl.where(dk[None, :] < HEAD_DIM, qc, 0.0).to(qc.dtype)
+                    kc = tl.load(rows[None, :] + dk_ld[:, None])
                     if UPCAST_DOT:
                         qc = qc.to(tl.float32)
                         kc = kc.to(tl.float32)
                     scores += tl.dot(qc, kc)
-                v = tl.load(rows[:, None] + dv[None, :], mask=valid[:, None] & dv_ok[None, :], other=0.0)
+                v = tl.load(rows[:, None] + dv_ld[None, :])
                 if UPCAST_DOT:
                     v = v.to(tl.float32)
             scores = tl.where(valid[None, :], scores, float("-inf")) * scale
@@ -237,6 +251,7 @@ if triton is not None:
             acc = acc * rescale[:, None] + tl.dot(probs_bf16, v)
             run_max = new_max
 
+        head_ok = heads < n_heads
         sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0)
         denom += tl.exp(sink - run_max)
         out = tl.div_rn(acc, denom[:, None])
@@ -245,28 +260,29 @@ if triton is not None:
         bits = tl.where(out != out, 0x7FC00000, bits)  # NaN (from NaN inputs) stays a quiet NaN
         out_bf16 = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         out_ptrs = out_ptr + b * stride_ob + m * stride_om + heads.to(tl.int64)[:, None] * stride_oh + dv[None, :]
-        tl.store(out_ptrs, out_bf16, mask=head_ok[:, None] & dv_ok[None, :])
+        tl.store(out_ptrs, out_bf16, mask=head_ok[:, None] & (dv[None, :] < HEAD_DIM))
 
 
 def _autotune_configs():
-    """Candidate tilings for the H200 autotuner (pruned per shape by `_prune_configs`)."""
-    configs = []
-    for block_h, block_dv, block_d, warps in (
-        (64, 512, 512, 8),  # all heads, whole head dim: every row loaded once per query
-        (64, 256, 128, 8),
-        (64, 128, 128, 4),
-        (32, 512, 512, 8),
-        (32, 256, 128, 4),
-        (16, 128, 128, 4),  # small tiles: more programs for decode-sized calls
-        (16, 512, 512, 4),
-    ):
-        for stages in (1, 2):
-            configs.append(
-                triton.Config(
-                    {"BLOCK_H": block_h, "BLOCK_DV": block_dv, "BLOCK_D": block_d}, num_warps=warps, num_stages=stages
-                )
-            )
-    return configs
+    """Candidate tilings for the autotuner (pruned per shape by `_prune_configs`).
+
+    Chosen from sm_90a compiles of this kernel at head_dim 512 with aligned inputs (ptxas -v):
+    none exceeds the H200's 227 KiB of shared memory; the first two spill a few hundred / a
+    hundred bytes, the others none. (BLOCK_H, BLOCK_DV, BLOCK_D, warps, stages).
+    """
+    table = (
+        (64, 512, 512, 8, 1),  # all heads, whole head dim: every gathered row loaded once
+        (64, 512, 128, 8, 1),  # all heads, scores over 128-dim chunks, V re-read from L1/L2
+        (64, 256, 128, 8, 1),
+        (64, 128, 128, 4, 2),
+        (32, 512, 512, 8, 2),
+        (32, 512, 128, 8, 2),
+        (16, 128, 128, 4, 2),  # small tiles: many programs for decode-sized calls
+    )
+    return [
+        triton.Config({"BLOCK_H": bh, "BLOCK_DV": bdv, "BLOCK_D": bd}, num_warps=warps, num_stages=stages)
+        for bh, bdv, bd, warps, stages in table
+    ]
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -276,8 +292,6 @@ def _prune_configs(configs, named_args, **kwargs):
     for config in configs:
         meta = config.kwargs
         if meta["BLOCK_DV"] > d_pad or meta["BLOCK_D"] > d_pad or meta["BLOCK_H"] > h_pad:
-            continue
-        if meta["BLOCK_DV"] == d_pad and meta["BLOCK_D"] != d_pad:
             continue
         kept.append(config)
     # shapes no candidate fits (tiny or unusual head dims): one whole-head-dim tiling
@@ -295,7 +309,7 @@ def _kernel(autotuned: bool):
         if autotuned:
             kernel = triton.autotune(
                 configs=_autotune_configs(),
-                key=["n_heads", "head_dim", "QUERY_BUCKET"],
+                key=["n_heads", "HEAD_DIM", "QUERY_BUCKET"],
                 prune_configs_by={"early_config_prune": _prune_configs},
             )(kernel)
         _KERNELS[key] = kernel
@@ -318,9 +332,9 @@ def sparse_attention_triton(
     """The Triton kernel; arguments as :func:`sparse_attention`.
 
     Args:
-        config: fixed tiling ``{"BLOCK_H", "BLOCK_DV", "BLOCK_D", "num_warps"}`` instead of the
-            default (autotuned on CUDA, one whole-head-dim tiling in the interpreter). Tests use it
-            to cover the split-output-dims path.
+        config: fixed tiling ``{"BLOCK_H", "BLOCK_DV", "BLOCK_D"[, "num_warps", "num_stages"]}``
+            instead of the default (autotuned on CUDA, one whole-head-dim tiling in the
+            interpreter). Tests use it to cover every code path; benchmarks may pin one.
 
     Raises:
         SparseAttentionError: Triton missing, or CPU tensors without the interpreter.
@@ -337,8 +351,8 @@ def sparse_attention_triton(
     out = torch.empty(b, m, h, d, dtype=torch.bfloat16, device=q.device)
     if b * m == 0:
         return out
-    if n_idx == 0:
-        return out.zero_()  # no valid index anywhere: the reference's 0 rows
+    if n_idx == 0 or kv.size(1) == 0:
+        return out.zero_()  # no valid index anywhere (kv without rows admits only -1): 0 rows
     q = q if q.stride(-1) == 1 else q.contiguous()
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
     idx = idx.to(torch.int32)
@@ -347,7 +361,7 @@ def sparse_attention_triton(
     d_pad = max(16, triton.next_power_of_2(d))
     args = (
         q, kv, idx, sink, out,
-        m, h, d, n_idx,
+        m, h, n_idx,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
         idx.stride(0), idx.stride(1),
@@ -355,7 +369,7 @@ def sparse_attention_triton(
         float(scale),
         _query_bucket(b * m),
     )
-    common = {"D_PAD": d_pad, "BLOCK_N": SPARSE_ATTN_BLOCK, "UPCAST_DOT": interpret}
+    common = {"HEAD_DIM": d, "D_PAD": d_pad, "BLOCK_N": SPARSE_ATTN_BLOCK, "UPCAST_DOT": interpret}
     if config is None and q.is_cuda and not interpret:
 
         def grid(meta):
@@ -366,9 +380,9 @@ def sparse_attention_triton(
     if config is None:
         config = {"BLOCK_H": min(64, max(16, triton.next_power_of_2(h))), "BLOCK_DV": d_pad, "BLOCK_D": d_pad}
     config = dict(config)
-    num_warps = config.pop("num_warps", 4)
+    launch = {"num_warps": config.pop("num_warps", 4), "num_stages": config.pop("num_stages", 2)}
     grid = (b * m, triton.cdiv(h, config["BLOCK_H"]), triton.cdiv(d, config["BLOCK_DV"]))
-    _kernel(autotuned=False)[grid](*args, **common, **config, num_warps=num_warps)
+    _kernel(autotuned=False)[grid](*args, **common, **config, **launch)
     return out
 
 
@@ -390,7 +404,8 @@ def sparse_attention(
 
     Args:
         q: bf16 ``[B, S, H, D]`` queries (prefill: S tokens; decode: S = 1).
-        kv: bf16 ``[B, N, D]`` rows serving as both K and V.
+        kv: bf16 ``[B, N, D]`` rows serving as both K and V; finite (the kernel reads row 0 for
+            an empty slot and weighs it by probability 0).
         idx: int32 ``[B, S, K]`` rows of `kv` each query attends to, -1 = empty slot; any K (the
             online softmax walks blocks of 64, the last one partial). Values must lie in
             ``[-1, N)``; the torch backend checks it, the kernel does not (a check would cost a
