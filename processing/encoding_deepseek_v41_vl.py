@@ -10,7 +10,9 @@ spec). This module holds the Python side:
   become `tool_result` blocks of a user turn);
 - :func:`parse_tagged_text` mirrors the compact `text<image>path</image>text` notation;
 - :func:`normalize_tool_call_arguments` parses JSON-string tool-call arguments into mappings,
-  because the template has no JSON parser.
+  because the template has no JSON parser;
+- :func:`mark_image_blocks` and :func:`image_block_source` let the processor find which image
+  blocks the template emitted (and load exactly those).
 
 Every error is a :class:`DeepseekV41ProcessorError` (a `ValueError`) naming the problem; upstream
 raises `AssertionError`/`ValueError` in the same places.
@@ -344,6 +346,81 @@ def collect_images(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return records
 
 
+def image_block_source(block: dict[str, Any]) -> Any:
+    """The image an `image` / `image_url` content block points at, as the image processor takes it.
+
+    `{"type": "image_url", "image_url": {"url": u}}` (or `"image_url": u`) gives `u`; an `image`
+    block gives the value of its one source key (`source`, `url`, `data`, `image`, `path`,
+    `base64`): a path, URL, data URL, bytes or PIL image. A `base64` string that is not already a
+    data URL is wrapped as one.
+
+    Raises:
+        DeepseekV41ProcessorError: the block has no source, or several (which one is meant would
+            be a guess).
+    """
+    if block.get("type") == "image_url":
+        url = block.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if url is None or (isinstance(url, str) and not url.strip()):
+            raise DeepseekV41ProcessorError(f"image block has no source (image_url.url): {block!r:.200}")
+        return url
+    present = [key for key in _IMAGE_SOURCE_KEYS if _has_value(block.get(key))]
+    if not present:
+        raise DeepseekV41ProcessorError(
+            f"image block has no source (one of {', '.join(_IMAGE_SOURCE_KEYS)}): {block!r:.200}"
+        )
+    if len(present) > 1:
+        raise DeepseekV41ProcessorError(
+            f"image block has several sources {present}; give exactly one: {block!r:.200}"
+        )
+    value = block[present[0]]
+    if present[0] == "base64" and isinstance(value, str) and not value.startswith("data:"):
+        return "data:;base64," + value
+    return value
+
+
+def _has_value(value: Any) -> bool:
+    # Not `bool(value)`: arrays have no truth value, and an empty string means "no source".
+    return value is not None and not (isinstance(value, str) and not value.strip())
+
+
+def mark_image_blocks(
+    messages: list[dict[str, Any]], marker: Any, start: int = 0
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A copy of `messages` whose image blocks are text blocks `{"type": "text", "text": marker(k)}`.
+
+    Image blocks (`image` / `image_url`) are replaced at the top level of each message's content
+    list and inside the content lists of `tool_result` blocks, i.e. wherever the chat template
+    renders one; k counts them from `start` in message order. The input is not modified.
+
+    Returns:
+        (marked messages, the replaced blocks in order of k).
+    """
+    found: list[dict[str, Any]] = []
+
+    def mark(blocks: Any, nested: bool) -> Any:
+        if not isinstance(blocks, list):
+            return blocks
+        out = []
+        for block in blocks:
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind in ("image", "image_url"):
+                out.append({"type": "text", "text": marker(start + len(found))})
+                found.append(block)
+            elif kind == "tool_result" and not nested and isinstance(block.get("content"), list):
+                out.append(dict(block, content=mark(block["content"], nested=True)))
+            else:
+                out.append(block)
+        return out
+
+    marked = []
+    for message in messages:
+        if isinstance(message, dict) and isinstance(message.get("content"), list):
+            message = dict(message, content=mark(message["content"], nested=False))
+        marked.append(message)
+    return marked, found
+
+
 def _arguments_mapping(arguments: Any) -> Any:
     """JSON-string tool arguments -> mapping, the way upstream `encode_arguments_to_dsml` reads them."""
     if isinstance(arguments, str):
@@ -397,6 +474,8 @@ __all__ = [
     "SYSTEM_TOKEN",
     "TASK_TOKENS",
     "collect_images",
+    "image_block_source",
+    "mark_image_blocks",
     "THINK_END",
     "THINK_START",
     "USER_TOKEN",

@@ -26,8 +26,10 @@ from __future__ import annotations
 import base64
 import io
 import math
+import numbers
 import operator
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -165,7 +167,15 @@ def plan_image_grid(
         DeepseekV41ImageError: width or height is not a positive integer.
         DeepseekV41ImagePlanError: no grid fits `max_image_tokens` (fewer than 4 tokens; the
             reference asserts or returns an empty grid).
+        DeepseekV41ProcessingError: a setting has the wrong type or range (patch_size or
+            downsample_ratio not a positive integer, max_image_tokens not an integer, min_pixels
+            negative, max_wh_ratio not None or a positive number).
     """
+    patch_size = _integer("patch_size", patch_size, minimum=1)
+    downsample_ratio = _integer("downsample_ratio", downsample_ratio, minimum=1)
+    max_image_tokens = _integer("max_image_tokens", max_image_tokens)
+    min_pixels = _integer("min_pixels", min_pixels, minimum=0)
+    max_wh_ratio = _optional_positive_number("max_wh_ratio", max_wh_ratio)
     try:
         width, height = operator.index(width), operator.index(height)
     except TypeError as err:
@@ -307,11 +317,17 @@ def load_image(
     if not data:
         raise DeepseekV41ImageError("image data is empty (0 bytes)")
     try:
-        # Pillow reads only the header here; the bomb check runs before `convert` decodes pixels.
-        with Image.open(io.BytesIO(data)) as source:
-            _check_size(source.width, source.height, max_image_pixels)
-            image = ImageOps.exif_transpose(source) if exif_orientation == "apply" else source
-            return image.convert("RGB")
+        with warnings.catch_warnings():
+            if max_image_pixels is not None:
+                # Our cap is checked from the header right below, before any pixel is decoded;
+                # Pillow's DecompressionBombWarning (above 89M pixels) would only add noise for
+                # images within it. Without our cap, Pillow's warning is the only guard: keep it.
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            # Pillow reads only the header here; the bomb check runs before `convert` decodes pixels.
+            with Image.open(io.BytesIO(data)) as source:
+                _check_size(source.width, source.height, max_image_pixels)
+                image = ImageOps.exif_transpose(source) if exif_orientation == "apply" else source
+                return image.convert("RGB")
     except DeepseekV41ProcessingError:
         raise
     except Image.DecompressionBombError as err:
@@ -419,6 +435,10 @@ class DeepseekV41ImageProcessorKwargs(ImagesKwargs, total=False):
     allow_urls: bool
 
 
+# Keys transformers itself writes to / reads from preprocessor_config.json (and the processor's
+# nested image-processor dict) besides the settings; the constructor accepts only these extra keys.
+_SAVED_FILE_KEYS = ("auto_map", "processor_class", "feature_extractor_type", "_processor_class")
+
 # Attributes that define the processing; each may be overridden per call of `preprocess`.
 _SETTINGS = (
     "patch_size",
@@ -454,6 +474,17 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
         exif_orientation (`str`, defaults to "ignore"): "ignore" keeps the stored pixel order like the
             reference (a photo with EXIF Orientation 6 stays sideways); "apply" transposes first.
 
+    Integer settings accept NumPy integers (stored as Python ints); bools and floats are refused.
+    Besides the settings, only the keys transformers writes to `preprocessor_config.json`
+    (`image_processor_type`, `auto_map`, `processor_class`) are accepted.
+
+    Raises:
+        DeepseekV41ProcessingError: an unknown keyword argument, or a setting of the wrong type or
+            range (named in the message): patch_size / downsample_ratio / max_image_tokens not a
+            positive integer, min_pixels negative, max_wh_ratio not None or > 0, pad_color not 3
+            integers in [0, 255], image_mean not finite, image_std not > 0 (1 or 3 numbers),
+            max_image_pixels not None or a positive integer, exif_orientation unknown.
+
     Outputs of `preprocess` / `__call__` (a `BatchFeature`):
         pixel_values: float32 [sum_i n_vit_h_i * n_vit_w_i, 3 * patch_size**2], rows in image order,
             each row one patch in (channel, y, x) order.
@@ -479,18 +510,30 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
         **kwargs,
     ):
         kwargs.pop("image_processor_type", None)  # written by to_dict; the class is the type
+        unknown = sorted(set(kwargs) - set(_SAVED_FILE_KEYS))
+        if unknown:
+            # BaseImageProcessor would keep any keyword as an attribute and save it to
+            # preprocessor_config.json, so a typo would silently do nothing.
+            raise DeepseekV41ProcessingError(
+                f"unknown DeepseekV41ImageProcessor arguments: {unknown}; the settings are {list(_SETTINGS)}"
+            )
+        settings = _checked_settings(
+            {
+                "patch_size": patch_size,
+                "downsample_ratio": downsample_ratio,
+                "max_image_tokens": max_image_tokens,
+                "min_pixels": min_pixels,
+                "max_wh_ratio": max_wh_ratio,
+                "pad_color": pad_color,
+                "image_mean": image_mean,
+                "image_std": image_std,
+                "max_image_pixels": max_image_pixels,
+                "exif_orientation": exif_orientation,
+            }
+        )
         super().__init__(**kwargs)
-        self.patch_size = patch_size
-        self.downsample_ratio = downsample_ratio
-        self.max_image_tokens = max_image_tokens
-        self.min_pixels = min_pixels
-        self.max_wh_ratio = max_wh_ratio
-        self.pad_color = tuple(pad_color)
-        self.image_mean = image_mean if isinstance(image_mean, (int, float)) else tuple(image_mean)
-        self.image_std = image_std if isinstance(image_std, (int, float)) else tuple(image_std)
-        self.max_image_pixels = max_image_pixels
-        self.exif_orientation = exif_orientation
-        _validate_settings(self._settings())
+        for name, value in settings.items():
+            setattr(self, name, value)
 
     @classmethod
     def from_vision_config(cls, vision_config, **kwargs) -> DeepseekV41ImageProcessor:
@@ -559,7 +602,7 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
         """
         settings = self._settings(**overrides)
         if overrides:
-            _validate_settings(settings)
+            settings = _checked_settings(settings)
         image = load_image(
             src,
             max_image_pixels=settings["max_image_pixels"],
@@ -595,8 +638,11 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
         Raises:
             DeepseekV41ImageError: no images, or an image cannot be loaded (see :func:`load_image`).
             DeepseekV41ImageTooLargeError, DeepseekV41ImagePlanError.
-            DeepseekV41ProcessingError: an unknown option.
+            DeepseekV41ProcessingError: an unknown option, a bad override value (same rules as the
+                constructor), or a `return_tensors` other than "pt", "np", None.
         """
+        if return_tensors not in (None, "pt", "np"):
+            raise DeepseekV41ProcessingError(f"return_tensors must be 'pt', 'np' or None, got {return_tensors!r}")
         overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in _SETTINGS}
         unknown = sorted(k for k, v in kwargs.items() if v is not None)
         if unknown:
@@ -632,33 +678,86 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
         return output
 
 
-def _validate_settings(s: dict[str, Any]) -> None:
-    def positive_int(name):
-        value = s[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise DeepseekV41ProcessingError(f"{name} must be a positive integer, got {value!r}")
+# `save_pretrained` writes `auto_map` {"AutoImageProcessor": ...} and copies this module (and its
+# relative imports) next to preprocessor_config.json, so the folder loads with
+# `AutoImageProcessor.from_pretrained(..., trust_remote_code=True)` without this package.
+DeepseekV41ImageProcessor.register_for_auto_class("AutoImageProcessor")
 
+
+def _integer(name: str, value: Any, minimum: int | None = None) -> int:
+    """`value` as a Python int (NumPy integers accepted), refusing bools, floats and values below
+    `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or (minimum is not None and value < minimum):
+        kind = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}.get(
+            minimum, f"an integer >= {minimum}"
+        )
+        raise DeepseekV41ProcessingError(f"{name} must be {kind}, got {value!r}")
+    return int(value)
+
+
+def _plain_number(value: numbers.Real) -> int | float:
+    # Python numbers stay as given (the saved JSON keeps 4 as 4); NumPy scalars become floats.
+    return value if type(value) in (int, float) else float(value)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _optional_positive_number(name: str, value: Any) -> int | float | None:
+    if value is None:
+        return None
+    if not _is_real(value) or not value > 0:
+        raise DeepseekV41ProcessingError(f"{name} must be None or a positive number, got {value!r}")
+    return _plain_number(value)
+
+
+def _three_items(value: Any) -> tuple | None:
+    """The items of a 3-element sequence, or None for anything else (strings included)."""
+    if isinstance(value, (str, bytes, dict)):
+        return None
+    try:
+        items = tuple(value)
+    except TypeError:
+        return None
+    return items if len(items) == 3 else None
+
+
+def _channel_values(name: str, value: Any, positive: bool) -> float | tuple[float, float, float]:
+    """A normalisation mean / std: one finite number or 3 (one per RGB channel); std must be > 0."""
+    items = (value,) if _is_real(value) else _three_items(value)
+    if items is None or not all(_is_real(v) and (not positive or v > 0) for v in items):
+        rule = "positive finite" if positive else "finite"
+        raise DeepseekV41ProcessingError(f"{name} must be a {rule} number or 3 {rule} numbers, got {value!r}")
+    return _plain_number(value) if len(items) == 1 else tuple(_plain_number(v) for v in items)
+
+
+def _checked_settings(s: dict[str, Any]) -> dict[str, Any]:
+    """The settings checked and normalised (NumPy numbers -> Python, sequences -> tuples).
+
+    Raises:
+        DeepseekV41ProcessingError: the first setting with a wrong type or range, by name.
+    """
+    out = dict(s)
     for name in ("patch_size", "downsample_ratio", "max_image_tokens"):
-        positive_int(name)
-    if isinstance(s["min_pixels"], bool) or not isinstance(s["min_pixels"], int) or s["min_pixels"] < 0:
-        raise DeepseekV41ProcessingError(f"min_pixels must be a non-negative integer, got {s['min_pixels']!r}")
-    ratio = s["max_wh_ratio"]
-    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0):
-        raise DeepseekV41ProcessingError(f"max_wh_ratio must be None or a positive number, got {ratio!r}")
-    color = tuple(s["pad_color"])
-    if len(color) != 3 or not all(isinstance(c, int) and 0 <= c <= 255 for c in color):
+        out[name] = _integer(name, s[name], minimum=1)
+    out["min_pixels"] = _integer("min_pixels", s["min_pixels"], minimum=0)
+    out["max_wh_ratio"] = _optional_positive_number("max_wh_ratio", s["max_wh_ratio"])
+    color = _three_items(s["pad_color"])
+    if color is None or not all(
+        isinstance(c, numbers.Integral) and not isinstance(c, bool) and 0 <= c <= 255 for c in color
+    ):
         raise DeepseekV41ProcessingError(f"pad_color must be 3 integers in [0, 255], got {s['pad_color']!r}")
-    for name in ("image_mean", "image_std"):
-        value = s[name]
-        if not isinstance(value, (int, float)) and len(value) != 3:
-            raise DeepseekV41ProcessingError(f"{name} must be a number or 3 numbers, got {value!r}")
-    cap = s["max_image_pixels"]
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
-        raise DeepseekV41ProcessingError(f"max_image_pixels must be None or a positive integer, got {cap!r}")
+    out["pad_color"] = tuple(int(c) for c in color)
+    out["image_mean"] = _channel_values("image_mean", s["image_mean"], positive=False)
+    out["image_std"] = _channel_values("image_std", s["image_std"], positive=True)
+    if s["max_image_pixels"] is not None:
+        out["max_image_pixels"] = _integer("max_image_pixels", s["max_image_pixels"], minimum=1)
     if s["exif_orientation"] not in EXIF_ORIENTATION_POLICIES:
         raise DeepseekV41ProcessingError(
             f"exif_orientation must be one of {EXIF_ORIENTATION_POLICIES}, got {s['exif_orientation']!r}"
         )
+    return out
 
 
 def _flatten(images) -> list:
@@ -668,11 +767,20 @@ def _flatten(images) -> list:
 
 
 def _rows(image_grid_thw) -> list[tuple[int, int, int]]:
-    rows = image_grid_thw.tolist() if hasattr(image_grid_thw, "tolist") else list(image_grid_thw)
+    """Rows (t, h, w) of a 2-D `image_grid_thw` [n_images, 3] (tensor, array or nested lists)."""
+    rows = image_grid_thw.tolist() if hasattr(image_grid_thw, "tolist") else image_grid_thw
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
+        raise DeepseekV41ProcessingError(f"image_grid_thw must be [n_images, 3] rows (t, h, w), got {rows!r}")
     out = []
     for row in rows:
-        if len(row) != 3:
-            raise DeepseekV41ProcessingError(f"image_grid_thw rows must be (t, h, w), got {row!r}")
+        # A lone row (t, h, w) is refused rather than guessed at: the result is one entry per image.
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or len(row) != 3:
+            raise DeepseekV41ProcessingError(
+                f"image_grid_thw must be 2-D [n_images, 3] with rows (t, h, w), got row {row!r}"
+                + ("; for one image pass [[t, h, w]]" if not isinstance(row, Sequence) else "")
+            )
+        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0 for v in row):
+            raise DeepseekV41ProcessingError(f"image_grid_thw values must be positive integers, got row {row!r}")
         out.append(tuple(int(v) for v in row))
     return out
 

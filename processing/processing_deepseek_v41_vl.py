@@ -23,6 +23,11 @@ in the V4.1 checkpoint).
 
 from __future__ import annotations
 
+import inspect
+import numbers
+import re
+import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -31,10 +36,14 @@ import torch
 from transformers import AutoTokenizer
 from transformers.feature_extraction_utils import BatchFeature
 from transformers.processing_utils import ProcessorMixin
+from transformers.utils import get_json_schema
+from transformers.utils.chat_template_utils import _get_template_variables, _normalize_chat_messages
 
 from .encoding_deepseek_v41_vl import (
     IMAGE_PLACEHOLDER,
     collect_images,
+    image_block_source,
+    mark_image_blocks,
     merge_tool_messages,
     normalize_tool_call_arguments,
     parse_completion,
@@ -61,6 +70,21 @@ _CALL_OPTIONS = {
     "images_kwargs",
     "allow_urls",
 }
+_FLAG_OPTIONS = ("add_special_tokens", "return_attention_mask", "return_mm_token_type_ids", "allow_urls")
+# Image-processor settings that fix the span geometry (patch grid -> token grid). The model's
+# aligner merges patches with the config's ratio, so a per-call value would build spans the model
+# (and `image_token_roles`) cannot read; they are set on the image processor, from the config.
+_GEOMETRY_SETTINGS = ("patch_size", "downsample_ratio")
+# `ProcessorMixin.apply_chat_template` parameters that are not template variables.
+_CALL_ONLY_CHAT_KWARGS = (
+    "tokenize",
+    "return_dict",
+    "return_tensors",
+    "return_assistant_tokens_mask",
+    "load_audio_from_video",
+    "processor_kwargs",
+    "sanitize_control_tokens",
+)
 
 
 def default_chat_template() -> str | None:
@@ -142,10 +166,100 @@ def image_token_roles(
     return roles[0] if squeeze else roles
 
 
+def _check_call_options(kwargs: dict[str, Any]) -> None:
+    """Refuse unknown `__call__` options and values of the wrong type (see `__call__`)."""
+    unknown = sorted(key for key, value in kwargs.items() if key not in _CALL_OPTIONS and value is not None)
+    if unknown:
+        raise DeepseekV41ProcessorError(f"unsupported processor options: {unknown}")
+    for name in _FLAG_OPTIONS:
+        if kwargs.get(name) is not None and not isinstance(kwargs[name], bool):
+            raise DeepseekV41ProcessorError(f"{name} must be True or False, got {kwargs[name]!r}")
+    multiple = kwargs.get("pad_to_multiple_of")
+    if multiple is not None and (
+        isinstance(multiple, bool) or not isinstance(multiple, numbers.Integral) or multiple <= 0
+    ):
+        raise DeepseekV41ProcessorError(f"pad_to_multiple_of must be None or a positive integer, got {multiple!r}")
+    if kwargs.get("return_tensors", "pt") not in (None, "pt", "np"):
+        raise DeepseekV41ProcessorError(f"return_tensors must be 'pt', 'np' or None, got {kwargs['return_tensors']!r}")
+    images_kwargs = kwargs.get("images_kwargs")
+    if images_kwargs is not None and not isinstance(images_kwargs, Mapping):
+        raise DeepseekV41ProcessorError(f"images_kwargs must be a dict, got {type(images_kwargs).__name__}")
+    fixed = sorted(name for name in _GEOMETRY_SETTINGS if (images_kwargs or {}).get(name) is not None)
+    if fixed:
+        raise DeepseekV41ProcessorError(
+            f"images_kwargs cannot override {fixed}: they fix the image-span geometry, which must match the "
+            "model's aligner (config vision patch_size / downsample_ratio); build the image processor with "
+            "them instead (DeepseekV41ImageProcessor.from_vision_config)"
+        )
+
+
 def _is_batched_conversation(conversation: Any) -> bool:
     return isinstance(conversation, (list, tuple)) and bool(conversation) and (
         isinstance(conversation[0], (list, tuple)) or hasattr(conversation[0], "messages")
     )
+
+
+def _tool_schemas(tools: Any) -> list[dict[str, Any]]:
+    """`tools` as JSON schemas: dicts are kept, Python functions converted with transformers'
+    `get_json_schema` (type hints + Google-style docstring), as `apply_chat_template` would.
+
+    Raises:
+        DeepseekV41ProcessorError: `tools` is not a list, an entry is neither a dict nor a function,
+            or a function cannot be converted (the message says why).
+    """
+    if not isinstance(tools, (list, tuple)):
+        raise DeepseekV41ProcessorError(
+            f"tools must be a list of JSON schemas or functions, got {type(tools).__name__}"
+        )
+    schemas = []
+    for index, tool in enumerate(tools):
+        if isinstance(tool, dict):
+            schemas.append(tool)
+        elif inspect.isfunction(tool) or inspect.ismethod(tool):
+            try:
+                schemas.append(get_json_schema(tool))
+            except Exception as err:  # TypeHintParsingException / DocstringParsingException
+                raise DeepseekV41ProcessorError(
+                    f"tool {index} ({tool.__name__}): cannot build its JSON schema: {err}"
+                ) from err
+        else:
+            raise DeepseekV41ProcessorError(
+                f"tool {index} must be a JSON schema dict or a function with type hints and a docstring, "
+                f"got {tool!r:.80}"
+            )
+    return schemas
+
+
+def _normalized_conversations(conversation: Any) -> tuple[list[list[dict[str, Any]]], bool]:
+    """(conversations, batched): each conversation as transformers normalises it (message objects
+    -> dicts, None-valued keys dropped, containers copied) with JSON-string tool-call arguments
+    parsed.
+
+    Raises:
+        DeepseekV41ProcessorError: not a list of messages (or of such lists), an empty
+            conversation, or a message that is not a dict / dataclass / pydantic model.
+    """
+    if not isinstance(conversation, (list, tuple)) and not hasattr(conversation, "messages"):
+        raise DeepseekV41ProcessorError(
+            "conversation must be a list of message dicts (or a list of such lists for a batch), "
+            f"got {type(conversation).__name__}"
+        )
+    batched = _is_batched_conversation(conversation)
+    chats = list(conversation) if batched else [conversation]
+    out = []
+    for index, chat in enumerate(chats):
+        where = f"conversation {index}: " if batched else ""
+        messages = getattr(chat, "messages", chat)
+        if not isinstance(messages, (list, tuple)):
+            raise DeepseekV41ProcessorError(f"{where}messages must be a list, got {type(messages).__name__}")
+        if not messages:
+            raise DeepseekV41ProcessorError(f"{where}the conversation is empty")
+        try:
+            normalized = _normalize_chat_messages(chat)
+        except TypeError as err:  # transformers: "Chat messages should be dicts, ... but got ..."
+            raise DeepseekV41ProcessorError(f"{where}{err}") from err
+        out.append(normalize_tool_call_arguments(normalized))
+    return out, batched
 
 
 class DeepseekV41Processor(ProcessorMixin):
@@ -236,9 +350,12 @@ class DeepseekV41Processor(ProcessorMixin):
             return_tensors (`str`, defaults to "pt"): "pt", "np" or None (lists).
             padding (`bool` or "longest", defaults to True): pad to the longest prompt.
             padding_side (`str`, *optional*): "left" or "right"; defaults to `self.padding_side`.
-            pad_to_multiple_of (`int`, *optional*).
+            pad_to_multiple_of (`int`, *optional*): a positive int; padded length is rounded up to it.
             return_attention_mask, return_mm_token_type_ids (`bool`, default True).
-            images_kwargs (`dict`, *optional*) and `allow_urls`: passed to the image processor.
+            images_kwargs (`dict`, *optional*) and `allow_urls` (`bool`): passed to the image
+                processor. `patch_size` and `downsample_ratio` cannot be overridden per call: they
+                fix the span geometry, which must match the model's aligner (set them on the image
+                processor, e.g. `DeepseekV41ImageProcessor.from_vision_config`).
 
         Returns:
             `BatchFeature` with input_ids, attention_mask, mm_token_type_ids and, with images,
@@ -246,15 +363,16 @@ class DeepseekV41Processor(ProcessorMixin):
 
         Raises:
             DeepseekV41ProcessorError: placeholder count != image count ("Found N image tokens but
-                got M images"), the tokenizer's own spelling of the image id in the text, bad
-                options, unequal lengths without padding.
+                got M images"), the tokenizer's own spelling of the image id in the text, text that
+                is not a string or list of strings, bad options (unknown; a flag that is not a
+                bool; pad_to_multiple_of not a positive int; return_tensors not "pt"/"np"/None;
+                images_kwargs not a dict or setting patch_size / downsample_ratio), unequal lengths
+                without padding.
             DeepseekV41ImageError (and the other image-processor errors): an image cannot be used.
         """
         if videos is not None or audio is not None:
             raise DeepseekV41ProcessorError("DeepSeek-V4.1 takes text and images only (no videos, no audio)")
-        unknown = sorted(key for key, value in kwargs.items() if key not in _CALL_OPTIONS and value is not None)
-        if unknown:
-            raise DeepseekV41ProcessorError(f"unsupported processor options: {unknown}")
+        _check_call_options(kwargs)
         return_tensors = kwargs.get("return_tensors", "pt")
         images_kwargs = dict(kwargs.get("images_kwargs") or {})
         if kwargs.get("allow_urls") is not None:
@@ -264,7 +382,14 @@ class DeepseekV41Processor(ProcessorMixin):
             if images is None:
                 raise DeepseekV41ProcessorError("give text, images or both")
             return self.image_processor(images, return_tensors=return_tensors, **images_kwargs)
-        prompts = [text] if isinstance(text, str) else list(text)
+        if isinstance(text, str):
+            prompts = [text]
+        elif isinstance(text, (list, tuple)):
+            prompts = list(text)
+        else:
+            raise DeepseekV41ProcessorError(
+                f"text must be a string or a non-empty list of strings, got {type(text).__name__}"
+            )
         if not prompts or not all(isinstance(prompt, str) for prompt in prompts):
             raise DeepseekV41ProcessorError("text must be a string or a non-empty list of strings")
 
@@ -281,7 +406,7 @@ class DeepseekV41Processor(ProcessorMixin):
             image_inputs = {"pixel_values": processed["pixel_values"], "image_grid_thw": processed["image_grid_thw"]}
 
         add_special_tokens = kwargs.get("add_special_tokens")
-        prefix, suffix = self._special_affixes() if add_special_tokens in (None, True) else ([], [])
+        prefix, suffix = self._special_affixes() if add_special_tokens is not False else ([], [])
         sequences, mm_types = [], []
         image_index = 0
         for sample, segments in enumerate(pieces):
@@ -361,8 +486,8 @@ class DeepseekV41Processor(ProcessorMixin):
         if padding in (True, "longest"):
             target = max(lengths)
             multiple = kwargs.get("pad_to_multiple_of")
-            if multiple:
-                target = -(-target // multiple) * multiple
+            if multiple is not None:
+                target = -(-target // int(multiple)) * int(multiple)
             if any(n < target for n in lengths):
                 pad_id = self.tokenizer.pad_token_id
                 if pad_id is None:
@@ -397,37 +522,115 @@ class DeepseekV41Processor(ProcessorMixin):
         """Render (and optionally tokenize) conversations with the V4.1 chat template.
 
         As `ProcessorMixin.apply_chat_template`; template kwargs: `thinking_mode` ("chat" or
-        "thinking"; or `enable_thinking`), `reasoning_effort` (None, "low", "high", "max" or an int
-        in [1, 100]), `drop_thinking`, `add_default_bos_token`, `context_length`, `render_stop`
-        (see `chat_template.jinja`). With `tokenize=True, return_dict=True` the images of the
-        messages' `{"type": "image"}` / `{"type": "image_url"}` blocks are loaded and the model
-        inputs returned. OpenAI JSON-string tool-call arguments are parsed first.
+        "thinking"; or the bool `enable_thinking`, which must agree with `thinking_mode` when both
+        are given), `reasoning_effort` (None, "low", "high", "max" or an int in [1, 100]),
+        `drop_thinking`, `add_default_bos_token`, `context_length`, `render_stop` (see
+        `chat_template.jinja`). OpenAI JSON-string tool-call arguments are parsed first.
+
+        With `tokenize=True, return_dict=True` the images of the `{"type": "image"}` /
+        `{"type": "image_url"}` blocks of the messages the template actually emits are loaded, in
+        prompt order (context messages before `context_length`, or after `render_stop`, are not
+        emitted and their images are not loaded), and the model inputs returned.
 
         Raises:
-            DeepseekV41ProcessorError: the template refused the input (the message names the
-                problem: image placeholder in text, invalid reasoning effort or mode, unknown role,
-                bad tools...), or the images do not match the placeholders.
+            DeepseekV41ProcessorError: the conversation is not a non-empty list of messages (or a
+                batch of them); the template refused the input (the message names the problem:
+                image placeholder in any text, tool schema or tool call, invalid reasoning effort
+                or mode, conflicting `thinking_mode` / `enable_thinking`, unknown role, bad
+                tools...); an emitted image block has no source (or several); a video / audio
+                block; `documents` or `return_assistant_tokens_mask` (the template supports
+                neither); or the images do not match the placeholders.
         """
-        if _is_batched_conversation(conversation):
-            conversation = [normalize_tool_call_arguments(list(chat)) for chat in conversation]
-        elif isinstance(conversation, (list, tuple)):
-            conversation = normalize_tool_call_arguments(list(conversation))
+        conversations, batched = _normalized_conversations(conversation)
+        conversation = conversations if batched else conversations[0]
+        if kwargs.get("return_assistant_tokens_mask"):
+            raise DeepseekV41ProcessorError(
+                "return_assistant_tokens_mask is not supported: the V4.1 chat template has no {% generation %} markers"
+            )
+        if kwargs.get("documents") is not None:
+            raise DeepseekV41ProcessorError("documents are not supported: the V4.1 chat template does not render them")
+        if kwargs.get("continue_final_message") and kwargs.get("add_generation_prompt"):
+            raise DeepseekV41ProcessorError("continue_final_message and add_generation_prompt cannot be combined")
+        if kwargs.get("tools") is not None:
+            kwargs = {**kwargs, "tools": _tool_schemas(kwargs["tools"])}
         try:
+            if kwargs.get("tokenize", False):
+                processor_kwargs = dict(kwargs.get("processor_kwargs") or {})
+                if "images" in processor_kwargs:
+                    raise DeepseekV41ProcessorError(
+                        "pass the images as {'type': 'image'} content blocks of the messages, not in processor_kwargs"
+                    )
+                images = self._rendered_images(conversations, batched, chat_template, kwargs)
+                # ProcessorMixin takes images from processor_kwargs["images"] (one list per conversation
+                # when batched); `_multimodal_inputs_from_conversations` below contributes none.
+                processor_kwargs["images"] = images if batched else images[0]
+                kwargs = {**kwargs, "processor_kwargs": processor_kwargs}
             return super().apply_chat_template(conversation, chat_template=chat_template, **kwargs)
         except jinja2.TemplateError as err:
             raise DeepseekV41ProcessorError(str(err)) from err
+
+    def _rendered_images(self, conversations, batched, chat_template, kwargs) -> list[list[Any]]:
+        """The image sources each conversation's rendered prompt holds, in prompt order.
+
+        The conversations are rendered once more with every image block replaced by a text block
+        holding a unique marker (the template renders both kinds of block alike); the markers found
+        in the output are exactly the images emitted, in order, whatever `context_length`,
+        `render_stop`, message merging or tool-result ordering decided.
+        """
+        nonce = uuid.uuid4().hex
+        marked, blocks = [], []
+        for chat in conversations:
+            chat, found = mark_image_blocks(chat, lambda k: f"\ue000{nonce}:{k}\ue001", start=len(blocks))
+            marked.append(chat)
+            blocks.extend(found)
+        template_variables = _get_template_variables(self._resolve_chat_template(chat_template))
+        named = ("tools", "documents", "add_generation_prompt", "continue_final_message")
+        render_kwargs = {
+            key: value
+            for key, value in kwargs.items()
+            if key not in _CALL_ONLY_CHAT_KWARGS and (key in named or key in template_variables)
+        }
+        rendered = ProcessorMixin.apply_chat_template(
+            self, marked if batched else marked[0], chat_template=chat_template, tokenize=False, **render_kwargs
+        )
+        texts = rendered if batched else [rendered]
+        marker = re.compile("\ue000" + nonce + ":([0-9]+)\ue001")
+        return [[image_block_source(blocks[int(k)]) for k in marker.findall(text)] for text in texts]
+
+    def _multimodal_inputs_from_conversations(self, conversations, audio_loading_params, load_audio_from_video=False):
+        """No media from ProcessorMixin's own walk: `apply_chat_template` supplies the images of the
+        emitted messages itself; video and audio blocks are refused (the model takes neither)."""
+        for chat in conversations:
+            for message in chat:
+                content = message.get("content")
+                for block in content if isinstance(content, list) else []:
+                    if isinstance(block, dict) and block.get("type") in ("video", "audio"):
+                        raise DeepseekV41ProcessorError(
+                            f"DeepSeek-V4.1 takes text and images only; got a {block['type']!r} content block"
+                        )
+        return [[] for _ in conversations], [[] for _ in conversations], [], {}
 
     def render_message(self, index: int, messages: list[dict[str, Any]], **kwargs) -> str:
         """The text of message `index` in the context of `messages` (upstream `render_message`).
 
         Messages before `index` are context: they are not emitted (nor BOS); the message's own
-        transition (assistant header, task token) is included. `kwargs` are template kwargs.
+        transition (assistant header, task token) is included. `kwargs` are template kwargs, or
+        `apply_chat_template` options (`tokenize=True, return_dict=True` loads the images of the
+        rendered message only).
+
+        Raises:
+            DeepseekV41ProcessorError: `index` out of range, `context_length` / `render_stop` given
+                (they are what `index` sets), or anything `apply_chat_template` refuses.
         """
-        if not 0 <= index < len(messages):
-            raise DeepseekV41ProcessorError(f"message index {index} out of range for {len(messages)} messages")
-        return self.apply_chat_template(
-            messages, tokenize=False, context_length=index, render_stop=index + 1, **kwargs
-        )
+        if not isinstance(messages, (list, tuple)):
+            raise DeepseekV41ProcessorError(f"messages must be a list of message dicts, got {type(messages).__name__}")
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not 0 <= index < len(messages):
+            raise DeepseekV41ProcessorError(f"message index {index!r} out of range for {len(messages)} messages")
+        fixed = sorted(key for key in ("context_length", "render_stop") if key in kwargs)
+        if fixed:
+            raise DeepseekV41ProcessorError(f"render_message sets {fixed} from the index; do not pass them")
+        kwargs.setdefault("tokenize", False)
+        return self.apply_chat_template(messages, context_length=int(index), render_stop=int(index) + 1, **kwargs)
 
     def parse_completion(self, completion, thinking_mode: str | None = None) -> dict[str, Any]:
         """Generated assistant turn -> `{"role", "content", "reasoning_content", "tool_calls"}`.
@@ -471,6 +674,13 @@ class DeepseekV41Processor(ProcessorMixin):
         if generated_outputs and isinstance(generated_outputs[0], int):
             generated_outputs = [generated_outputs]
         return self.tokenizer.batch_decode(generated_outputs, skip_special_tokens=skip_special_tokens, **kwargs)
+
+
+# `save_pretrained` writes `auto_map` {"AutoProcessor": ...} to processor_config.json and copies
+# this module and its relative imports, so `AutoProcessor.from_pretrained(..., trust_remote_code=True)`
+# finds the class; with this package imported, `auto_registration_deepseek_v41_vl.register_auto_classes`
+# makes `AutoProcessor` find it without remote code.
+DeepseekV41Processor.register_for_auto_class("AutoProcessor")
 
 
 __all__ = ["DeepseekV41Processor", "image_span_roles", "image_token_roles"]

@@ -404,3 +404,71 @@ def test_parse_tagged_text_variants():
 def test_packaged_template_is_the_processor_default(processor):
     assert processor.chat_template == default_chat_template()
     assert "raise_exception" in processor.chat_template
+
+
+IMAGE = "<｜deepseek_image｜>"
+
+
+def _schema(name="get_weather", description="Weather.", properties=None):
+    parameters = {"type": "object", "properties": properties or {"city": {"type": "string"}}}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+
+
+def _called(name="f", arguments=None):
+    return [
+        {"role": "user", "content": "x"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments or {}}}],
+        },
+        {"role": "tool", "content": "ok"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("messages", "tools"),
+    [
+        ([{"role": "user", "content": "q"}], [_schema(description="w " + IMAGE)]),
+        ([{"role": "user", "content": "q"}], [_schema(properties={"city": {"type": "string", "description": IMAGE}})]),
+        ([{"role": "user", "content": "q"}], [_schema(name="w" + IMAGE)]),
+        (_called(arguments={"q": IMAGE}), None),
+        (_called(arguments={IMAGE: 1}), None),
+        (_called(arguments='{"q": "' + IMAGE + '"}'), None),
+        (_called(name="f" + IMAGE), None),
+        ([{"role": "system", "content": "s", "response_format": {"type": IMAGE}}, {"role": "user", "content": "q"}], None),
+        ([{"role": "user", "content": [{"type": IMAGE}]}], None),
+    ],
+)
+def test_placeholder_in_tools_tool_calls_and_other_fields_is_refused(messages, tools, processor):
+    # Formerly rendered as is: the extra placeholder then met "Found 2 image tokens but got 1 images"
+    # when tokenizing, or silently shifted the images of a later processor call.
+    for tokenize in (False, True):
+        with pytest.raises(DeepseekV41ProcessorError, match="image placeholder"):
+            processor.apply_chat_template(copy.deepcopy(messages), tools=tools, tokenize=tokenize, return_dict=tokenize)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"enable_thinking": "no"}, "enable_thinking must be true or false"),
+        ({"enable_thinking": 1}, "enable_thinking must be true or false"),
+        ({"thinking_mode": "chat", "enable_thinking": True}, "conflicts"),
+        ({"thinking_mode": "thinking", "enable_thinking": False}, "conflicts"),
+        ({"drop_thinking": "no"}, "drop_thinking"),
+        ({"add_default_bos_token": 0}, "add_default_bos_token"),
+    ],
+)
+def test_thinking_switches_must_be_bools_that_agree(kwargs, match, processor):
+    # Formerly enable_thinking="no" turned thinking ON and a contradicting pair was silently resolved.
+    with pytest.raises(DeepseekV41ProcessorError, match=match):
+        processor.apply_chat_template([{"role": "user", "content": "q"}], **kwargs)
+
+
+def test_agreeing_thinking_switches_are_accepted(processor):
+    messages = [{"role": "user", "content": "q"}]
+    for mode, flag in (("thinking", True), ("chat", False)):
+        assert processor.apply_chat_template(messages, thinking_mode=mode, enable_thinking=flag) == (
+            processor.apply_chat_template(messages, thinking_mode=mode)
+        )
+    assert processor.apply_chat_template(messages, enable_thinking=False) == processor.apply_chat_template(messages)

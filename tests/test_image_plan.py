@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+import torch
 
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import FLAT_TO_VISION, DeepseekV41VisionConfig
-from deepseek_v41_vl.processing.errors_deepseek_v41_vl import DeepseekV41ImageError, DeepseekV41ImagePlanError
+from deepseek_v41_vl.processing.errors_deepseek_v41_vl import (
+    DeepseekV41ImageError,
+    DeepseekV41ImagePlanError,
+    DeepseekV41ProcessingError,
+)
 from deepseek_v41_vl.processing.image_processing_deepseek_v41_vl import (
     DeepseekV41ImageProcessor,
     ImagePlan,
@@ -113,3 +119,36 @@ def test_budget_too_small_for_any_grid_raises(budget):
 def test_smallest_budget_gives_a_single_token_cell(size):
     plan = plan_image_grid(*size, max_image_tokens=4)
     assert (plan.n_llm_h, plan.n_llm_w, plan.n_vit_h, plan.n_vit_w, plan.num_image_tokens) == (1, 1, 3, 3, 4)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"downsample_ratio": 0}, "downsample_ratio"),
+        ({"patch_size": 0}, "patch_size"),
+        ({"patch_size": 14.0}, "patch_size"),
+        ({"max_image_tokens": "1024"}, "max_image_tokens"),
+        ({"min_pixels": -1}, "min_pixels"),
+        ({"max_wh_ratio": 0}, "max_wh_ratio"),
+    ],
+)
+def test_plan_refuses_bad_settings(kwargs, match):
+    # Formerly ZeroDivisionError / TypeError from inside the arithmetic of the public function.
+    with pytest.raises(DeepseekV41ProcessingError, match=match):
+        plan_image_grid(10, 10, **kwargs)
+
+
+def test_plan_accepts_numpy_integers():
+    want = plan_image_grid(640, 480, max_image_tokens=64)
+    assert plan_image_grid(np.int64(640), np.int32(480), max_image_tokens=np.int64(64), patch_size=np.int64(14)) == want
+
+
+def test_grid_helpers_refuse_a_one_dimensional_grid():
+    processor = DeepseekV41ImageProcessor()
+    assert processor.num_image_tokens_from_grid(torch.tensor([[1, 32, 48]])) == [11 * 17 + 2]
+    assert processor.llm_grid_from_grid([[1, 32, 48]]) == [(11, 16)]
+    for bad in (torch.tensor([1, 32, 48]), [1, 32, 48], [[1, 32]], [[1, 32.5, 48]], "1,32,48"):
+        with pytest.raises(DeepseekV41ProcessingError, match="image_grid_thw"):
+            processor.num_image_tokens_from_grid(bad)
+        with pytest.raises(DeepseekV41ProcessingError, match="image_grid_thw"):
+            processor.llm_grid_from_grid(bad)

@@ -448,3 +448,90 @@ def test_save_and_load_round_trip(tmp_path, golden, pre, outputs):
     DeepseekV41ImageProcessor().save_pretrained(tmp_path / "release")
     reloaded = DeepseekV41ImageProcessor.from_pretrained(tmp_path / "release", max_image_tokens=64)
     assert reloaded.max_wh_ratio is None and reloaded.max_image_tokens == 64
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings validation: every bad value is a project error naming the setting.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"pad_color": 5}, "pad_color"),
+        ({"pad_color": None}, "pad_color"),
+        ({"pad_color": "red"}, "pad_color"),
+        ({"pad_color": (1, 2)}, "pad_color"),
+        ({"pad_color": (0.5, 0, 0)}, "pad_color"),
+        ({"image_mean": "abc"}, "image_mean"),
+        ({"image_mean": float("nan")}, "image_mean"),
+        ({"image_std": 0}, "image_std"),
+        ({"image_std": (0.5, 0.0, 0.5)}, "image_std"),
+        ({"image_std": -0.5}, "image_std"),
+        ({"image_std": [0.5, 0.5]}, "image_std"),
+        ({"max_image_tokens": 64.0}, "max_image_tokens"),
+        ({"max_image_tokens": True}, "max_image_tokens"),
+        ({"min_pixels": -1}, "min_pixels"),
+        ({"max_wh_ratio": 0}, "max_wh_ratio"),
+        ({"max_image_pixels": 0}, "max_image_pixels"),
+    ],
+)
+def test_bad_setting_values_raise_project_error(kwargs, match):
+    # Formerly TypeError (pad_color=5 / None), torch's ValueError (image_mean="abc"), or inf pixel
+    # values (image_std=0); both in the constructor and as a per-call override.
+    with pytest.raises(DeepseekV41ProcessingError, match=match):
+        DeepseekV41ImageProcessor(**kwargs)
+    with pytest.raises(DeepseekV41ProcessingError, match=match):
+        DeepseekV41ImageProcessor()(Image.new("RGB", (8, 8)), **kwargs)
+
+
+def test_numpy_integer_settings_are_accepted(golden):
+    data = (golden / "preprocess" / "images" / "chelsea.png").read_bytes()
+    want = DeepseekV41ImageProcessor(max_image_tokens=64)(data, return_tensors="pt")
+    processor = DeepseekV41ImageProcessor(max_image_tokens=np.int64(64), pad_color=np.array([127, 127, 127]))
+    assert type(processor.max_image_tokens) is int and processor.pad_color == (127, 127, 127)
+    json.dumps(processor.to_dict())  # plain Python values: the config stays serialisable
+    got = processor(data, return_tensors="pt")
+    per_call = DeepseekV41ImageProcessor()(data, max_image_tokens=np.int64(64), return_tensors="pt")
+    for out in (got, per_call):
+        assert torch.equal(out["pixel_values"], want["pixel_values"])
+        assert torch.equal(out["image_grid_thw"], want["image_grid_thw"])
+
+
+def test_unknown_constructor_arguments_are_refused(tmp_path):
+    with pytest.raises(DeepseekV41ProcessingError, match="bogus"):
+        DeepseekV41ImageProcessor(bogus=1)
+    with pytest.raises(DeepseekV41ProcessingError, match="foo"):
+        DeepseekV41ImageProcessor.from_dict({"foo": 1})
+    # The keys transformers writes next to the settings are still read back.
+    auto_map = {"AutoImageProcessor": "image_processing_deepseek_v41_vl.DeepseekV41ImageProcessor"}
+    processor = DeepseekV41ImageProcessor(
+        image_processor_type="DeepseekV41ImageProcessor", processor_class="DeepseekV41Processor", auto_map=auto_map
+    )
+    assert processor.to_dict()["auto_map"] == auto_map
+    processor.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    assert "bogus" not in saved and saved["auto_map"]["AutoImageProcessor"] == auto_map["AutoImageProcessor"]
+    assert DeepseekV41ImageProcessor.from_pretrained(tmp_path).to_dict() == processor.to_dict()
+
+
+def test_return_tensors_is_checked():
+    with pytest.raises(DeepseekV41ProcessingError, match="return_tensors"):
+        DeepseekV41ImageProcessor()(Image.new("RGB", (8, 8)), return_tensors="tf")
+
+
+def test_pillow_bomb_warning_silenced_within_our_cap():
+    # 13000 x 13000 = 169M pixels: above Pillow's warning threshold (89M), within our default cap
+    # (179M). Our cap is checked from the header, so Pillow's warning is noise there; with the cap
+    # off it is the only guard left and stays.
+    data = png_header_only(13000, 13000)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(DeepseekV41ImageError, match="truncated|decode"):
+            DeepseekV41ImageProcessor()(data)
+    assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
+    with pytest.warns(Image.DecompressionBombWarning):
+        with pytest.raises(DeepseekV41ImageError, match="truncated|decode"):
+            load_image(data, max_image_pixels=None)

@@ -10,14 +10,18 @@ from __future__ import annotations
 import hashlib
 import json
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
+from transformers.utils import get_json_schema
 
 from deepseek_v41_vl.processing.errors_deepseek_v41_vl import (
     DeepseekV41ImageError,
     DeepseekV41ProcessingError,
     DeepseekV41ProcessorError,
 )
+from deepseek_v41_vl.processing.image_processing_deepseek_v41_vl import DeepseekV41ImageProcessor, plan_image_grid
 from deepseek_v41_vl.processing.processing_deepseek_v41_vl import (
     DeepseekV41Processor,
     image_span_roles,
@@ -288,3 +292,250 @@ def test_save_and_load_round_trip(tmp_path, prompts, processor, golden):
     assert loaded.apply_chat_template(messages, thinking_mode="thinking", reasoning_effort=42) == (
         processor.apply_chat_template(messages, thinking_mode="thinking", reasoning_effort=42)
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Input checking (newcomer review): bad input is a project error naming the problem.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"text": 5}, "text must be"),
+        ({"text": b"x"}, "text must be"),
+        ({"text": "a", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ({"text": "a", "return_attention_mask": "no"}, "return_attention_mask"),
+        ({"text": ["a", "bb cc"], "pad_to_multiple_of": 0}, "pad_to_multiple_of"),
+        ({"text": ["a", "bb cc"], "pad_to_multiple_of": -3}, "pad_to_multiple_of"),
+        ({"text": ["a", "bb cc"], "pad_to_multiple_of": True}, "pad_to_multiple_of"),
+        ({"text": "a", "return_tensors": "tf"}, "return_tensors"),
+        ({"text": "a", "images_kwargs": "max_image_tokens=64"}, "images_kwargs"),
+    ],
+)
+def test_call_refuses_bad_text_and_option_values(kwargs, match, processor):
+    # Formerly TypeError (text=5), a deep BatchFeature error (pad_to_multiple_of=-3), or silently
+    # ignored / misread ("yes" as False, 0 as no multiple).
+    with pytest.raises(DeepseekV41ProcessorError, match=match):
+        processor(**kwargs)
+
+
+def test_pad_to_multiple_of_rounds_the_padded_length_up(processor):
+    out = processor(text=["a", "bb cc"], pad_to_multiple_of=np.int64(8))
+    assert out["input_ids"].shape[1] == 8
+    assert out["attention_mask"].sum(dim=1).tolist() == [len(processor.tokenizer.encode(t)) for t in ("a", "bb cc")]
+
+
+@pytest.mark.parametrize("setting", [{"downsample_ratio": 2}, {"patch_size": 7}, {"downsample_ratio": 3}])
+def test_span_geometry_cannot_be_overridden_per_call(setting, processor):
+    # downsample_ratio=2 built spans that `image_token_roles` (the model's ratio 3) could not read.
+    image = Image.new("RGB", (60, 60))
+    with pytest.raises(DeepseekV41ProcessorError, match="span geometry"):
+        processor(images=image, text=f"{PLACEHOLDER}x", images_kwargs=setting)
+    with pytest.raises(DeepseekV41ProcessorError, match="span geometry"):
+        processor(images=image, images_kwargs=setting)
+    # Budget overrides keep the geometry and stay allowed.
+    out = processor(images=image, text=f"{PLACEHOLDER}x", images_kwargs={"max_image_tokens": 64})
+    assert processor.image_token_roles(out["mm_token_type_ids"], out["image_grid_thw"]).shape == out["input_ids"].shape
+
+
+@pytest.mark.parametrize(
+    ("conversation", "match"),
+    [
+        ("hi", "conversation must be a list"),
+        ([], "conversation is empty"),
+        ([[]], "conversation is empty"),
+        (["hi"], "dicts"),
+        ([[{"role": "user", "content": "q"}], []], "conversation 1: the conversation is empty"),
+    ],
+)
+def test_apply_chat_template_refuses_malformed_conversations(conversation, match, processor):
+    # Formerly TypeError / IndexError from inside transformers.
+    with pytest.raises(DeepseekV41ProcessorError, match=match):
+        processor.apply_chat_template(conversation)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"return_assistant_tokens_mask": True, "tokenize": True, "return_dict": True}, "generation"),
+        ({"documents": [{"title": "t", "text": "x"}]}, "documents"),
+        ({"continue_final_message": True, "add_generation_prompt": True}, "cannot be combined"),
+    ],
+)
+def test_apply_chat_template_refuses_unsupported_options(kwargs, match, processor):
+    with pytest.raises(DeepseekV41ProcessorError, match=match):
+        processor.apply_chat_template([{"role": "user", "content": "q"}], **kwargs)
+
+
+def test_apply_chat_template_refuses_bad_tools(processor):
+    messages = [{"role": "user", "content": "q"}]
+    with pytest.raises(DeepseekV41ProcessorError, match="tool 0 must be"):
+        processor.apply_chat_template(messages, tools=["x"])
+    with pytest.raises(DeepseekV41ProcessorError, match="cannot build its JSON schema"):
+        processor.apply_chat_template(messages, tools=[lambda city: city])
+
+    def get_weather(city: str):
+        """Get the weather.
+
+        Args:
+            city: the city
+        """
+
+    schema = get_json_schema(get_weather)
+    assert processor.apply_chat_template(messages, tools=[get_weather]) == processor.apply_chat_template(
+        messages, tools=[schema]
+    )
+
+
+def test_image_block_without_source_is_named(processor):
+    # Formerly "Found 1 image tokens but got 0 images".
+    for block, match in [
+        ({"type": "image"}, "no source"),
+        ({"type": "image", "path": ""}, "no source"),
+        ({"type": "image_url", "image_url": {}}, "no source"),
+        ({"type": "image", "path": "a.png", "url": "b.png"}, "several sources"),
+    ]:
+        messages = [{"role": "user", "content": [block, {"type": "text", "text": "q"}]}]
+        with pytest.raises(DeepseekV41ProcessorError, match=match):
+            processor.apply_chat_template(messages, tokenize=True, return_dict=True)
+
+
+def test_video_block_is_refused_when_tokenizing(processor):
+    messages = [{"role": "user", "content": [{"type": "video", "path": "x.mp4"}, {"type": "text", "text": "q"}]}]
+    with pytest.raises(DeepseekV41ProcessorError, match="video"):
+        processor.apply_chat_template(messages, tokenize=True, return_dict=True)
+
+
+# Distinct aspect ratios give distinct grids, so the test can tell which images were loaded.
+_SIZES = {"A": (100, 20), "B": (20, 100), "C": (60, 60), "D": (90, 30)}
+_SMALL = {"processor_kwargs": {"images_kwargs": {"max_image_tokens": 64}}}
+
+
+def _img(name):
+    return {"type": "image", "image": Image.new("RGB", _SIZES[name], (10, 20, 30))}
+
+
+def _grids(processor, names):
+    ip = processor.image_processor
+    grids = []
+    for name in names:
+        plan = plan_image_grid(
+            *_SIZES[name], patch_size=ip.patch_size, downsample_ratio=ip.downsample_ratio, max_image_tokens=64
+        )
+        grids.append([1, plan.n_vit_h, plan.n_vit_w])
+    return grids
+
+
+_PLAIN = [
+    {"role": "user", "content": [_img("A"), {"type": "text", "text": "a"}]},
+    {"role": "assistant", "content": "ok"},
+    {"role": "user", "content": [_img("B"), {"type": "text", "text": "b"}]},
+    {"role": "assistant", "content": [_img("C")]},
+    {"role": "user", "content": [{"type": "text", "text": "d"}, _img("D")]},
+]
+_MERGED_USERS = [{"role": "user", "content": [_img("A")]}, {"role": "user", "content": [_img("B")]}]
+_TOOL = [
+    {"role": "user", "content": "q"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}],
+    },
+    {"role": "tool", "content": [_img("C")]},
+    {"role": "user", "content": [_img("D")]},
+]
+
+
+@pytest.mark.parametrize(
+    ("messages", "context_length", "render_stop", "expected"),
+    [
+        (_PLAIN, None, None, "ABCD"),
+        (_PLAIN, 2, None, "BCD"),
+        (_PLAIN, 3, None, "CD"),
+        (_PLAIN, 4, None, "D"),
+        (_PLAIN, 2, 3, "B"),
+        (_PLAIN, 3, 4, "C"),
+        (_PLAIN, 1, 2, ""),
+        # Consecutive user turns merge: stopping after message 0 still renders B inside turn 0...
+        (_MERGED_USERS, None, 1, "AB"),
+        # ...but never across context_length.
+        (_MERGED_USERS, 1, None, "B"),
+        # The tool result and the next user message fold into one user turn (origin 2).
+        (_TOOL, None, 3, "CD"),
+        (_TOOL, 3, None, "D"),
+        (_TOOL, 2, None, "CD"),
+    ],
+)
+def test_apply_chat_template_loads_only_the_rendered_images(messages, context_length, render_stop, expected, processor):
+    # Formerly every image of the conversation was loaded: "Found 1 image tokens but got 2 images".
+    kwargs = {"context_length": context_length, "render_stop": render_stop}
+    text = processor.apply_chat_template(messages, **kwargs)
+    assert text.count(PLACEHOLDER) == len(expected)
+    out = processor.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs, **_SMALL)
+    if not expected:
+        assert "image_grid_thw" not in out and out["mm_token_type_ids"].sum() == 0
+        return
+    assert out["image_grid_thw"].tolist() == _grids(processor, expected)
+    roles = processor.image_token_roles(out["mm_token_type_ids"], out["image_grid_thw"])
+    assert (roles == 0).sum() == len(expected)
+
+
+def test_render_message_tokenizes_its_own_images_only(processor):
+    out = processor.render_message(2, _PLAIN, tokenize=True, return_dict=True, **_SMALL)
+    assert out["image_grid_thw"].tolist() == _grids(processor, "B")
+    with pytest.raises(DeepseekV41ProcessorError, match="render_message sets"):
+        processor.render_message(2, _PLAIN, context_length=1)
+
+
+def test_batched_conversations_get_their_own_images(processor):
+    out = processor.apply_chat_template(
+        [_PLAIN[:1], _MERGED_USERS], tokenize=True, return_dict=True, context_length=1, **_SMALL
+    )
+    # context_length=1 applies to both: the first renders nothing after message 0, the second B.
+    assert out["image_grid_thw"].tolist() == _grids(processor, "B")
+    out = processor.apply_chat_template([_PLAIN[:1], _MERGED_USERS], tokenize=True, return_dict=True, **_SMALL)
+    assert out["image_grid_thw"].tolist() == _grids(processor, "AAB")
+    roles = processor.image_token_roles(out["mm_token_type_ids"], out["image_grid_thw"])
+    assert (roles == 0).sum(dim=1).tolist() == [1, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Auto classes.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_auto_classes_load_the_processor(tmp_path, processor, golden):
+    # Formerly AutoProcessor.from_pretrained(folder) silently returned the bare tokenizer.
+    import deepseek_v41_vl  # noqa: F401  (the package the lead's __init__ registers from)
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
+    from deepseek_v41_vl.processing.auto_registration_deepseek_v41_vl import register_auto_classes
+
+    register_auto_classes()
+    register_auto_classes()  # idempotent
+    DeepseekV41Config().save_pretrained(tmp_path)
+    saved = DeepseekV41Processor(
+        image_processor=DeepseekV41ImageProcessor(max_image_tokens=64), tokenizer=processor.tokenizer
+    )
+    saved.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "processor_config.json").read_text())
+    assert config["auto_map"]["AutoProcessor"] == "processing_deepseek_v41_vl.DeepseekV41Processor"
+    assert config["image_processor"]["auto_map"]["AutoImageProcessor"] == (
+        "image_processing_deepseek_v41_vl.DeepseekV41ImageProcessor"
+    )
+    assert (tmp_path / "processing_deepseek_v41_vl.py").is_file()  # remote code for trust_remote_code
+
+    loaded = AutoProcessor.from_pretrained(tmp_path)
+    assert type(loaded) is DeepseekV41Processor
+    assert loaded.image_processor.max_image_tokens == 64
+    image = str(golden / "preprocess" / "images" / "chelsea.png")
+    out = loaded(images=image, text=f"{PLACEHOLDER}Describe.")
+    want = saved(images=image, text=f"{PLACEHOLDER}Describe.")
+    assert out.keys() == want.keys() and {"pixel_values", "image_grid_thw"} <= set(out)
+    for key in out:
+        assert torch.equal(out[key], want[key]), key
+    roles = loaded.image_token_roles(out["mm_token_type_ids"], out["image_grid_thw"])
+    assert roles.tolist()[0].count(0) == 1 and roles.tolist()[0].count(3) == 1
+    assert type(AutoImageProcessor.from_pretrained(tmp_path)) is DeepseekV41ImageProcessor
