@@ -531,6 +531,13 @@ class DeepseekV41Config(PretrainedConfig):
     def numerics(self) -> str:
         return self.text_config.numerics
 
+    @numerics.setter
+    def numerics(self, value: str) -> None:
+        # `from_pretrained(dir, numerics="exact")` sets config attributes after construction
+        if value not in NUMERICS_MODES:
+            raise DeepseekV41ConfigError(f"numerics must be one of {NUMERICS_MODES}, got {value!r}")
+        self.text_config.numerics = value
+
     @classmethod
     def from_reference_args(cls, args: dict[str, Any] | str | os.PathLike, **overrides) -> "DeepseekV41Config":
         """Build from the flat reference `ModelArgs` (a dict, or the path of `inference/config.json`).

@@ -26,12 +26,18 @@ included) is the "image rows" mask: it selects the MoE `bias_vl` and shuts the E
 from __future__ import annotations
 
 import contextlib
+import copy
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.generation.logits_process import SuppressTokensLogitsProcessor
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
 from .attention_deepseek_v41_vl import (
@@ -44,8 +50,16 @@ from .cache_deepseek_v41_vl import DeepseekV41Cache
 from .configuration_deepseek_v41_vl import DeepseekV41Config, DeepseekV41TextConfig
 from .engram_deepseek_v41_vl import DeepseekV41Engram, DeepseekV41EngramHash
 from .hyper_connection_deepseek_v41_vl import DeepseekV41HyperConnection, identity_pre_mix
-from .moe_deepseek_v41_vl import DeepseekV41MoE
-from .vision_deepseek_v41_vl import DeepseekV41VisionAligner, DeepseekV41VisionTransformer, llm_grid, parse_image_grid
+from .moe_deepseek_v41_vl import DeepseekV41Gate, DeepseekV41MoE
+from .quantization_deepseek_v41_vl import DeepseekV41Linear
+from .rope_deepseek_v41_vl import DeepseekV41RotaryEmbedding, rope_inv_frequencies
+from .vision_deepseek_v41_vl import (
+    DeepseekV41VisionAligner,
+    DeepseekV41VisionRMSNorm,
+    DeepseekV41VisionTransformer,
+    llm_grid,
+    parse_image_grid,
+)
 
 # Roles of the positions of an image span (`inference/image_processor.py` constants).
 TEXT, IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = -1, 0, 1, 2, 3
