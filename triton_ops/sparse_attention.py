@@ -39,7 +39,6 @@ lazily, per interpreter mode, so the variable may be set after `triton` was impo
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -50,8 +49,10 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
+from .kernel_backend import BACKENDS, triton_available, triton_interpret_mode
+from .kernel_backend import resolve_backend as _resolve_backend
+
 ENV_BACKEND = "DEEPSEEK_V41_SPARSE_ATTN_BACKEND"
-BACKENDS = ("auto", "triton", "torch")
 SPARSE_ATTN_BLOCK = 64  # indices per online-softmax step of `kernel.sparse_attn`
 _INITIAL_MAX = -1e30  # the reference's finite start of the running max
 
@@ -60,36 +61,14 @@ class SparseAttentionError(ValueError):
     """Bad arguments to :func:`sparse_attention`: shapes, dtypes, devices, indices or backend."""
 
 
-def triton_available() -> bool:
-    return triton is not None
-
-
-def triton_interpret_mode() -> bool:
-    """True when Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    if triton is None:
-        return False
-    try:
-        return bool(triton.knobs.runtime.interpret)
-    except AttributeError:  # older Triton without `knobs`
-        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """The concrete backend (``"triton"`` or ``"torch"``) for tensors on `device`.
-
-    ``None`` or ``"auto"`` consult ``DEEPSEEK_V41_SPARSE_ATTN_BACKEND`` first.
+    """The concrete backend (``"triton"`` or ``"torch"``) for tensors on `device`; ``None`` or
+    ``"auto"`` consult ``DEEPSEEK_V41_SPARSE_ATTN_BACKEND`` first (see `kernel_backend.resolve_backend`).
 
     Raises:
         SparseAttentionError: an unknown backend name (argument or environment variable).
     """
-    if backend is None or backend == "auto":
-        backend = os.environ.get(ENV_BACKEND, "auto") or "auto"
-    backend = backend.lower()
-    if backend not in BACKENDS:
-        raise SparseAttentionError(f"sparse attention backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
-    return backend
+    return _resolve_backend(backend, device, env_var=ENV_BACKEND, error=SparseAttentionError, what="sparse attention")
 
 
 def _check_inputs(q, kv, idx, sink) -> None:

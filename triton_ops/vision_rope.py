@@ -18,7 +18,8 @@ Choosing one, from strongest to weakest:
 
 1. the ``backend`` argument of :func:`apply_vision_rope` (the vision tower passes the optional
    vision-config attribute ``rope_backend``, or what `set_rope_backend` set);
-2. the environment variable ``DEEPSEEK_V41_VISION_ROPE_BACKEND`` (read at each call);
+2. when that is ``None`` or ``"auto"``, the environment variable ``DEEPSEEK_V41_VISION_ROPE_BACKEND``
+   (read at each call);
 3. ``"auto"``: Triton for CUDA tensors when Triton is installed, the torch fallback elsewhere.
 
 On the CPU the Triton kernel runs only under Triton's interpreter (``TRITON_INTERPRET=1``); the
@@ -28,7 +29,6 @@ imported.
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -39,42 +39,24 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
+from .kernel_backend import BACKENDS, triton_available, triton_interpret_mode
+from .kernel_backend import resolve_backend as _resolve_backend
+
 ENV_BACKEND = "DEEPSEEK_V41_VISION_ROPE_BACKEND"
-BACKENDS = ("auto", "triton", "torch")
 
 
 class VisionRopeError(ValueError):
     """Bad arguments to :func:`apply_vision_rope`: shapes, dtypes, devices or backend name."""
 
 
-def triton_available() -> bool:
-    return triton is not None
-
-
-def triton_interpret_mode() -> bool:
-    """True when Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    if triton is None:
-        return False
-    try:
-        return bool(triton.knobs.runtime.interpret)
-    except AttributeError:  # older Triton without `knobs`
-        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 def resolve_backend(backend: str | None, device: torch.device) -> str:
-    """The concrete backend (``"triton"`` or ``"torch"``) for tensors on `device`.
+    """The concrete backend (``"triton"`` or ``"torch"``) for tensors on `device`; ``None`` or
+    ``"auto"`` consult ``DEEPSEEK_V41_VISION_ROPE_BACKEND`` first (see `kernel_backend.resolve_backend`).
 
     Raises:
         VisionRopeError: an unknown backend name (argument or environment variable).
     """
-    if backend is None:
-        backend = os.environ.get(ENV_BACKEND, "auto") or "auto"
-    backend = backend.lower()
-    if backend not in BACKENDS:
-        raise VisionRopeError(f"vision RoPE backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
-    return backend
+    return _resolve_backend(backend, device, env_var=ENV_BACKEND, error=VisionRopeError, what="vision RoPE")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,60 @@
+"""Choosing between a Triton kernel and its torch fallback; shared by every op in `triton_ops`.
+
+Each op takes ``backend``: ``"triton"``, ``"torch"``, or ``"auto"`` / ``None``. Auto reads the op's
+environment variable first (so a user can force a backend without touching code), then picks
+Triton for CUDA tensors and torch elsewhere. On the CPU a Triton kernel runs only inside Triton's
+interpreter (``TRITON_INTERPRET=1``), which is how the tests exercise the kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # triton is optional: CPU-only installs use the torch fallbacks
+    import triton
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def triton_available() -> bool:
+    """True when the `triton` package imports."""
+    return triton is not None
+
+
+def triton_interpret_mode() -> bool:
+    """True when Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    if triton is None:
+        return False
+    try:
+        return bool(triton.knobs.runtime.interpret)
+    except AttributeError:  # older Triton without `knobs`
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def resolve_backend(
+    backend: str | None, device: torch.device, *, env_var: str, error: type[Exception], what: str
+) -> str:
+    """The concrete backend (``"triton"`` or ``"torch"``) for tensors on `device`.
+
+    Args:
+        backend: ``"triton"``, ``"torch"``, ``"auto"`` or ``None`` (both: `env_var`, else auto).
+        device: where the op's tensors live; auto means Triton on CUDA only.
+        env_var: the op's environment override, read at each call.
+        error: the op's exception class (a ValueError subclass).
+        what: the op's name, for the message.
+
+    Raises:
+        error: an unknown backend name, from the argument or the environment variable.
+    """
+    if backend is None or backend == "auto":
+        backend = os.environ.get(env_var, "auto") or "auto"
+    backend = backend.lower()
+    if backend not in BACKENDS:
+        raise error(f"{what} backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    return backend
