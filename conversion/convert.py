@@ -115,6 +115,9 @@ def target_config(source_config: DeepseekV41Config, dtype: str | None, text_only
         data["vision_config"]["num_hidden_layers"] = 0
     vl = not text_only and source_config.vision_config.num_hidden_layers > 0
     data["architectures"] = [ARCH_VL if vl else ARCH_TEXT]
+    # The compute dtype: without it transformers' `dtype="auto"` probes the first shard, whose
+    # F8_E8M0 scales it cannot read. Stored tensors keep their own dtypes either way.
+    data["dtype"] = "bfloat16"
     return DeepseekV41Config(**data)
 
 

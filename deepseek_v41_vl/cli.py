@@ -1,10 +1,12 @@
 """The `deepseek-v41-vl` command.
 
 Subcommands:
-    run   The main job. Today it runs the preprocessing half of the pipeline on real photos (the
-          bundled one when no `--image` is given): the image plan (ViT and LLM grids, pixels,
-          span length), the prompt's token layout with the real V4.1 tokenizer, and timings.
-          Later it loads a model folder and generates.
+    run   The main job: load a model folder through transformers' ``image-text-to-text``
+          pipeline, ask it about real photos (the bundled one when no `--image` is given), and
+          print the image plan (grids, span tokens), the generated text and timings (preprocess,
+          vision, prefill, decode tokens/s). Without `--model` it builds (once, cached under
+          ``$XDG_CACHE_HOME/deepseek-v41-vl/tiny-<seed>``, default ``~/.cache``) a tiny random
+          model with `make-tiny` + `convert` and uses that.
     convert    Official checkpoint folder -> self-contained transformers model folder
                (`deepseek_v41_vl.conversion.convert.convert_checkpoint`).
     make-tiny  A small random checkpoint in the official format, with the real tokenizer
@@ -14,13 +16,17 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
+import tempfile
 import time
 from importlib import resources
 from pathlib import Path
 
 BUNDLED_PHOTO = "chelsea.png"  # scikit-image's `chelsea`, a real photo (451x300 RGB PNG)
 DEFAULT_PROMPT = "Describe this image."
+DEFAULT_MAX_NEW_TOKENS = 24
 
 
 def bundled_photo() -> Path:
@@ -28,13 +34,54 @@ def bundled_photo() -> Path:
     return Path(str(resources.files("deepseek_v41_vl") / "assets" / BUNDLED_PHOTO))
 
 
+def cache_root() -> Path:
+    """Where `run` keeps the tiny model: ``$XDG_CACHE_HOME/deepseek-v41-vl`` (default ``~/.cache``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "deepseek-v41-vl"
+
+
+def ensure_tiny_model(seed: int = 0, log=print) -> Path:
+    """The converted tiny model folder ``cache_root()/tiny-<seed>``, built on first use.
+
+    `make_tiny` writes the official-format checkpoint into a scratch folder next to it and
+    `convert_checkpoint` builds the model folder under a temporary name and renames it into place
+    when complete, so an interrupted build leaves no half folder; a concurrent build that finished
+    first is used as is.
+    """
+    from deepseek_v41_vl.conversion.checkpoint_names import DeepseekV41ConversionError
+    from deepseek_v41_vl.conversion.convert import convert_checkpoint
+    from deepseek_v41_vl.conversion.make_tiny import make_tiny
+
+    target = cache_root() / f"tiny-{seed}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log(f"building the tiny model (seed {seed}) in {target} (once) ...")
+    scratch = Path(tempfile.mkdtemp(prefix=f".tiny-{seed}-official-", dir=target.parent))
+    try:
+        make_tiny(scratch / "official", seed=seed, variant="fp8")
+        try:
+            convert_checkpoint(scratch / "official", target, progress=False)
+        except DeepseekV41ConversionError:
+            if (target / "config.json").is_file():  # another process finished first
+                return target
+            raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepseek-v41-vl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="the main job: process real photos and a prompt, print the plan")
-    run.add_argument("--image", action="append", default=None, help="image path (repeatable); default: bundled photo")
+    run = sub.add_parser("run", help="the main job: a model folder, real photos and a prompt -> generated text")
+    run.add_argument("--model", default=None, help="converted model folder (default: the cached tiny model)")
+    run.add_argument("--image", action="append", default=None, help="image path or http(s) URL (repeatable); default: bundled photo")
     run.add_argument("--prompt", default=DEFAULT_PROMPT, help="user text that goes with the images")
-    run.add_argument("--allow-urls", action="store_true", help="allow http(s) URLs for --image")
+    run.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="tokens to generate (greedy)")
+    run.add_argument("--numerics", choices=["fast", "exact"], default="fast", help="exact: every rounding point of the reference")
+    run.add_argument("--seed", type=int, default=0, help="seed of the tiny model built when --model is not given")
+    run.add_argument("--allow-urls", action="store_true", help=argparse.SUPPRESS)  # URLs are always allowed now
 
     conv = sub.add_parser("convert", help="official checkpoint folder -> self-contained transformers model folder")
     conv.add_argument("src", help="official layout: shards + model.safetensors.index.json (or model.safetensors), config, tokenizer")
@@ -57,29 +104,110 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run(args: argparse.Namespace) -> int:
-    from deepseek_v41_vl.processing.image_processing_deepseek_v41_vl import DeepseekV41ImageProcessor
+class _Timer:
+    """Wall time of the pipeline stages, from hooks on the loaded pipeline and model."""
 
-    images = args.image or [str(bundled_photo())]
-    processor = DeepseekV41ImageProcessor()
-    print(f"image processor: budget {processor.max_image_tokens} tokens, min pixels {processor.min_pixels}, "
-          f"patch {processor.patch_size}, merge {processor.downsample_ratio}x{processor.downsample_ratio}")
-    t0 = time.perf_counter()
-    features = processor(images, return_tensors="pt", allow_urls=args.allow_urls)
-    t_pre = time.perf_counter() - t0
-    total_tokens = 0
-    for path, grid, llm in zip(images, features["image_grid_thw"].tolist(), features["image_llm_grid_hw"].tolist()):
-        _, n_vit_h, n_vit_w = grid
-        n_llm_h, n_llm_w = llm
+    def __init__(self):
+        self.preprocess = 0.0
+        self.vision = 0.0
+        self.forwards: list[tuple[int, float]] = []  # (tokens in the call, seconds)
+        self.inputs = None
+
+    def attach(self, pipe) -> None:
+        import torch
+
+        preprocess = pipe.preprocess
+
+        def timed_preprocess(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = preprocess(*args, **kwargs)
+            self.preprocess += time.perf_counter() - t0
+            self.inputs = out
+            return out
+
+        pipe.preprocess = timed_preprocess
+        clocks: dict[str, float] = {}
+
+        def start(name):
+            return lambda module, args, kwargs=None: clocks.__setitem__(name, time.perf_counter())
+
+        def forward_done(module, args, kwargs, out):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            self.forwards.append((int(ids.shape[-1]) if isinstance(ids, torch.Tensor) else 0, time.perf_counter() - clocks["fw"]))
+
+        model = pipe.model
+        model.register_forward_pre_hook(start("fw"), with_kwargs=True)
+        model.register_forward_hook(forward_done, with_kwargs=True)
+        inner = model.model
+        if getattr(inner, "vision_enabled", False):
+            inner.vision.register_forward_pre_hook(start("vision"))
+            inner.aligner.register_forward_hook(
+                lambda m, a, o: setattr(self, "vision", self.vision + time.perf_counter() - clocks["vision"])
+            )
+
+
+def _print_plan(inputs, image_processor, names: list[str]) -> None:
+    grids = inputs["image_grid_thw"].tolist() if "image_grid_thw" in inputs else []
+    ratio, patch = image_processor.downsample_ratio, image_processor.patch_size
+    total = 0
+    print(f"image plan (budget {image_processor.max_image_tokens} tokens, patch {patch}, merge {ratio}x{ratio}):")
+    for name, (_, n_vit_h, n_vit_w) in zip(names, grids):
+        n_llm_h, n_llm_w = -(-n_vit_h // ratio), -(-n_vit_w // ratio)
         span = n_llm_h * (n_llm_w + 1) + 2
-        total_tokens += span
-        print(f"  {Path(path).name}: {n_vit_h * processor.patch_size}x{n_vit_w * processor.patch_size} px (h x w), "
-              f"ViT grid {n_vit_h}x{n_vit_w} = {n_vit_h * n_vit_w} patches, LLM grid {n_llm_h}x{n_llm_w}, "
-              f"span {span} tokens")
-    pv = features["pixel_values"]
-    print(f"pixel_values {tuple(pv.shape)} {pv.dtype}, range [{pv.min().item():.4f}, {pv.max().item():.4f}]; "
-          f"{total_tokens} image tokens in all")
-    print(f"timings: preprocess {t_pre * 1000:.1f} ms")
+        total += span
+        print(f"  {name}: {n_vit_h * patch}x{n_vit_w * patch} px (h x w), ViT grid {n_vit_h}x{n_vit_w} = "
+              f"{n_vit_h * n_vit_w} patches, LLM grid {n_llm_h}x{n_llm_w}, span {span} tokens")
+    marked = int(inputs["mm_token_type_ids"].sum()) if "mm_token_type_ids" in inputs else 0
+    if marked != total:
+        raise AssertionError(f"the prompt marks {marked} image positions, the plan {total}")
+    print(f"prompt: {inputs['input_ids'].shape[-1]} tokens, {total} of them image tokens")
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import pipeline
+
+    import deepseek_v41_vl  # noqa: F401  (registers the Auto classes)
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    model_dir = Path(args.model) if args.model else ensure_tiny_model(args.seed)
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"{model_dir} is not a model folder (no config.json); make one with `deepseek-v41-vl convert`")
+    sources = args.image or [str(bundled_photo())]
+
+    t0 = time.perf_counter()
+    # trust_remote_code=False: the installed package's classes, not the folder's copy of them
+    pipe = pipeline(
+        "image-text-to-text", model=str(model_dir), trust_remote_code=False, model_kwargs={"numerics": args.numerics}
+    )
+    t_load = time.perf_counter() - t0
+    image_processor = pipe.processor.image_processor
+    images = [image_processor.load_image(src, allow_urls=True) for src in sources]
+    names = [src.rsplit("/", 1)[-1] if "://" in src else Path(src).name for src in sources]
+    print(f"model: {model_dir} ({type(pipe.model).__name__}, numerics {args.numerics}, "
+          f"{sum(p.numel() for p in pipe.model.parameters()) / 1e6:.1f} M parameters, loaded in {t_load:.2f} s)")
+
+    timer = _Timer()
+    timer.attach(pipe)
+    content = [{"type": "image", "image": image} for image in images] + [{"type": "text", "text": args.prompt}]
+    with torch.inference_mode():
+        out = pipe(
+            text=[{"role": "user", "content": content}],
+            max_new_tokens=args.max_new_tokens,
+            return_full_text=False,
+            generate_kwargs={"do_sample": False},
+        )
+    _print_plan(timer.inputs, image_processor, names)
+    text = out[0]["generated_text"]
+    print(f"generated: {text!r}")
+    prefill_tokens, prefill = timer.forwards[0]
+    decode = timer.forwards[1:]
+    decode_time = sum(seconds for _, seconds in decode)
+    rate = f"{len(decode) / decode_time:.1f} tokens/s" if decode_time > 0 else "n/a"
+    print(f"timings: preprocess {timer.preprocess * 1000:.1f} ms, vision {timer.vision * 1000:.1f} ms, "
+          f"prefill {prefill * 1000:.1f} ms ({prefill_tokens} tokens, vision included), "
+          f"decode {len(decode)} tokens in {decode_time * 1000:.1f} ms ({rate})")
     return 0
 
 

@@ -27,6 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import importlib
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -45,6 +48,7 @@ from .attention_deepseek_v41_vl import (
     DeepseekV41AttentionCache,
     DeepseekV41AttentionState,
     DeepseekV41RMSNorm,
+    left_padding_offsets,
 )
 from .cache_deepseek_v41_vl import DeepseekV41Cache
 from .configuration_deepseek_v41_vl import DeepseekV41Config, DeepseekV41TextConfig
@@ -358,6 +362,31 @@ class DeepseekV41Transformer(nn.Module):
             h = torch.where((roles == role).unsqueeze(-1), vector.to(dtype), h)
         return h.masked_scatter(image_positions.unsqueeze(-1), image_features.to(dtype))
 
+    def get_image_span_embeddings(
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """The embedding of every position of every image span, bf16 ``[sum span lengths, D]``.
+
+        Per image ``[image_start, (aligner row) * n_llm_w + image_newline for each of n_llm_h grid
+        rows, image_end]``, images in order: one row per span position (all carry
+        `image_token_id`), in the (batch row, position) order of the spans. This is what a chunked
+        prefill passes, sliced per chunk, as `image_span_embeds`; the images are encoded once.
+
+        Raises:
+            DeepseekV41ModelError: the model has no vision tower.
+        """
+        features = self.get_image_features(pixel_values, image_grid_thw)
+        dtype = self.embed.weight.dtype
+        spans, row = [], 0
+        for n_vit_h, n_vit_w in parse_image_grid(image_grid_thw):
+            n_h, n_w = llm_grid(n_vit_h, n_vit_w, self.config.vision_config.downsample_ratio)
+            grid = features[row : row + n_h * n_w].to(dtype).view(n_h, n_w, -1)
+            row += n_h * n_w
+            newline = self.image_newline.to(dtype).expand(n_h, 1, -1)
+            body = torch.cat([grid, newline], dim=1).flatten(0, 1)
+            spans += [self.image_start.to(dtype)[None], body, self.image_end.to(dtype)[None]]
+        return torch.cat(spans)
+
     # -- forward --------------------------------------------------------------------------
     def forward(
         self,
@@ -367,8 +396,16 @@ class DeepseekV41Transformer(nn.Module):
         image_grid_thw: torch.Tensor | None = None,
         cache: DeepseekV41Cache | None = None,
         logits_to_keep: int = 1,
+        attention_mask: torch.Tensor | None = None,
+        image_span_embeds: torch.Tensor | None = None,
     ) -> DeepseekV41TransformerOutput:
-        """Prefill (cache empty) or one-token decode step. Mirrors `Transformer.forward`.
+        """Prefill (cache empty), prefill chunk or one-token decode step. Mirrors `Transformer.forward`.
+
+        A forward of S > 1 tokens on a non-empty cache is a prefill chunk: it continues the
+        sequence exactly like one prefill would (see `attention_deepseek_v41_vl.py`). Images in a
+        chunked prefill: compute :meth:`get_image_span_embeddings` once and pass each chunk the
+        rows of the span positions it holds as `image_span_embeds` (with `mm_token_type_ids` of
+        the chunk), so a span may be split between chunks; `pixel_values` only prefill at 0.
 
         Args:
             input_ids: int64 ``[B, S]``; image-span positions carry `image_token_id`.
@@ -380,31 +417,56 @@ class DeepseekV41Transformer(nn.Module):
                 None runs a standalone prefill.
             logits_to_keep: logits of the last K positions; 0 keeps all. The default 1 is what
                 the reference returns (its GEMM over ``[B, D]``, bitwise the same).
+            attention_mask: ``[B, past + S]``, 0 on left padding (every position so far, as
+                `generate` passes it). Each row then runs as if it started at its first real token
+                (positions, window, compressor groups, Engram look-back); None: the padding the
+                cache recorded, or none.
+            image_span_embeds: ``[n, D]`` rows for the n image-span positions of this forward
+                (``mm_token_type_ids == 1``, in (batch row, position) order), a slice of
+                :meth:`get_image_span_embeddings`; instead of `pixel_values`, at any position.
 
         Returns:
             :class:`DeepseekV41TransformerOutput`.
 
         Raises:
             DeepseekV41ModelError: images after position 0 or without span marks, spans that do
-                not fit the images or hold other ids than `image_token_id`.
-            DeepseekV41AttentionError: more than one token per decode step.
+                not fit the images or hold other ids than `image_token_id`, `image_span_embeds`
+                rows that do not match the marked positions.
+            DeepseekV41AttentionError: a forward after position 0 on a cache without a prefill,
+                an attention mask that is not a left padding of every position so far.
         """
         if input_ids.dim() != 2:
             raise DeepseekV41ModelError(f"input_ids must be [batch, seq], got {tuple(input_ids.shape)}")
         start_pos = cache.get_seq_length() if cache is not None else 0
 
+        if pixel_values is not None and start_pos != 0:
+            raise DeepseekV41ModelError("pixel_values prefill at position 0 only; pass later chunks image_span_embeds")
+        if pixel_values is not None and image_span_embeds is not None:
+            raise DeepseekV41ModelError("pass pixel_values or image_span_embeds, not both")
         image_mask = engram_mask = roles = None
         if mm_token_type_ids is not None:
             if mm_token_type_ids.shape != input_ids.shape:
                 raise DeepseekV41ModelError(
                     f"mm_token_type_ids {tuple(mm_token_type_ids.shape)} must match input_ids {tuple(input_ids.shape)}"
                 )
-            if pixel_values is None and bool((mm_token_type_ids != 0).any()):
+            if pixel_values is None and image_span_embeds is None and bool((mm_token_type_ids != 0).any()):
                 raise DeepseekV41ModelError("mm_token_type_ids marks image spans but no pixel_values were given")
-            roles = image_token_roles(
-                mm_token_type_ids, image_grid_thw, self.config.vision_config.downsample_ratio
-            )
-            image_mask = roles >= 0
+            if image_span_embeds is not None:
+                # rows already hold each span position's vector; a chunk may hold part of a span
+                if bool(((mm_token_type_ids != 0) & (mm_token_type_ids != 1)).any()):
+                    raise DeepseekV41ModelError("mm_token_type_ids must hold only 0 (text) and 1 (image span)")
+                image_mask = mm_token_type_ids.bool()
+                n_slots = int(image_mask.sum())
+                if image_span_embeds.dim() != 2 or image_span_embeds.size(0) != n_slots:
+                    raise DeepseekV41ModelError(
+                        f"image_span_embeds must be [{n_slots}, D] (one row per marked span position of this "
+                        f"forward), got {tuple(image_span_embeds.shape)}"
+                    )
+            else:
+                roles = image_token_roles(
+                    mm_token_type_ids, image_grid_thw, self.config.vision_config.downsample_ratio
+                )
+                image_mask = roles >= 0
             engram_mask = ~image_mask
             if bool((input_ids[image_mask] != self.config.image_token_id).any()):
                 raise DeepseekV41ModelError(
@@ -413,26 +475,37 @@ class DeepseekV41Transformer(nn.Module):
         if pixel_values is not None:
             if roles is None:
                 raise DeepseekV41ModelError("pixel_values were given without mm_token_type_ids marking the image spans")
-            if start_pos != 0:
-                raise DeepseekV41ModelError("images must be prefilled in one chunk at position 0")
+        if image_span_embeds is not None and image_mask is None:
+            raise DeepseekV41ModelError("image_span_embeds were given without mm_token_type_ids marking their positions")
+        if cache is not None and (attention_mask is not None or start_pos == 0):
+            cache.attention.pad_offsets = left_padding_offsets(attention_mask, start_pos, input_ids.size(1))
+        pad_offsets = (
+            cache.attention.pad_offsets
+            if cache is not None
+            else left_padding_offsets(attention_mask, start_pos, input_ids.size(1))
+        )
 
         hash_ids = None
         if self.engram_hash is not None:
             history = cache.engram_history if cache is not None else None
             if start_pos > 0 and history is None:
                 raise DeepseekV41ModelError("decode step with a cache that holds no Engram history")
-            hash_ids, history = self.engram_hash(input_ids, token_mask=engram_mask, history=history)
+            hash_ids, history = self.engram_hash(
+                input_ids, token_mask=engram_mask, history=history, attention_mask=attention_mask
+            )
             if cache is not None:
                 cache.engram_history = history
 
         h = self.embed(input_ids)
         if pixel_values is not None:
             h = self.merge_image_embeddings(h, roles, self.get_image_features(pixel_values, image_grid_thw))
+        elif image_span_embeds is not None:
+            h = h.masked_scatter(image_mask.unsqueeze(-1), image_span_embeds.to(h.dtype))
 
         x = h.unsqueeze(2).repeat(1, 1, self.hc_mult, 1)
         pre_mix = identity_pre_mix(x, self.hc_mult)
         attention_cache = cache.attention if cache is not None else DeepseekV41AttentionCache()
-        state = DeepseekV41AttentionState(start_pos=start_pos, cache=attention_cache)
+        state = DeepseekV41AttentionState(start_pos=start_pos, cache=attention_cache, pad_offsets=pad_offsets)
         for layer in self.layers:
             x, pre_mix = layer(x, pre_mix, state, image_mask, hash_ids, engram_mask)
         hidden = self.norm(self.hc.pre(x, pre_mix))
@@ -525,8 +598,484 @@ def capture_intermediates(model: DeepseekV41Transformer) -> Iterator[dict[str, t
         records.pop("_aligner_rows", None)
 
 
+
+# --------------------------------------------------------------------------------------------
+# transformers classes: PreTrainedModel, AutoModel, AutoModelForImageTextToText, AutoModelForCausalLM
+# --------------------------------------------------------------------------------------------
+
+# Routed experts stored as packed fp4: I8 ``[out, in/2]`` on disk, float4_e2m1fn_x2 in the module.
+_FP4_EXPERT_WEIGHT = r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$"
+
+
+def _fp32_parameter_names(module: nn.Module) -> list[str]:
+    return [name for name, param in module.named_parameters() if param.dtype == torch.float32]
+
+
+@contextlib.contextmanager
+def _checkpoint_tensor_views(model: nn.Module) -> Iterator[None]:
+    """While transformers' loader sets parameters on `model`: an I8 tensor arriving for a packed-fp4
+    weight is re-VIEWED as float4_e2m1fn_x2 (the bytes are the packed E2M1 pairs; a value cast is
+    wrong and not even implemented), and every parameter keeps the `requires_grad` of the module's
+    own (quantized storage is not trainable; the loader would mark every float tensor trainable)."""
+    fp4_modules = {id(m) for m in model.modules() if isinstance(m, DeepseekV41Linear) and m.weight_dtype == "fp4"}
+    ours = {id(m) for m in model.modules()}
+
+    def hook(module, name, param):
+        if id(module) not in ours or param is None:
+            return None
+        if id(module) in fp4_modules and name == "weight" and param.dtype in (torch.int8, torch.uint8):
+            return nn.Parameter(param.detach().view(torch.float4_e2m1fn_x2), requires_grad=False)
+        previous = module._parameters.get(name)
+        if previous is not None and previous.requires_grad != param.requires_grad:
+            param.requires_grad_(previous.requires_grad and param.is_floating_point())
+        return None
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _resave_offloaded_fp4(offload_index: dict, offload_folder: str | None) -> None:
+    """Disk-offloaded packed-fp4 weights: transformers' offload index points at the I8 tensor of the
+    checkpoint with the parameter's dtype (float4_e2m1fn_x2), and accelerate would value-cast it on
+    every load. Each one is re-saved once as F4 in the offload folder (the same bytes) and its
+    index entry repointed (updated in place: the index is handed to the dispatch afterwards).
+
+    Raises:
+        DeepseekV41ModelError: fp4 weights offloaded to disk without an `offload_folder`.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    fp4 = str(torch.float4_e2m1fn_x2).removeprefix("torch.")
+    for name, info in offload_index.items():
+        if info.get("dtype") != fp4 or info.get("safetensors_file") is None:
+            continue
+        with safe_open(info["safetensors_file"], framework="pt") as f:
+            tensor = f.get_tensor(info.get("weight_name", name))
+        if tensor.dtype == torch.float4_e2m1fn_x2:
+            continue
+        if offload_folder is None:
+            raise DeepseekV41ModelError(
+                f"{name} (packed fp4) is offloaded to disk: pass offload_folder to from_pretrained"
+            )
+        path = os.path.join(offload_folder, f"{name}.safetensors")
+        save_file({name: tensor.view(torch.float4_e2m1fn_x2)}, path)
+        info.update(safetensors_file=path, weight_name=name)
+
+
+def _restore_host_tensors(model: nn.Module) -> None:
+    """Rebuild the plain tensor attributes that were created on the meta device (transformers builds
+    the model under ``torch.device("meta")``): the RoPE frequencies, which are attributes, not
+    buffers, so that a dtype cast of the model cannot round them."""
+    for module in model.modules():
+        if isinstance(module, DeepseekV41RotaryEmbedding) and module.inv_freq.is_meta:
+            with torch.device("cpu"):
+                module.inv_freq = rope_inv_frequencies(module.rope_dim, module.base, **module.yarn)
+
+
+@contextlib.contextmanager
+def _offloaded_layers_load_whole(module_classes: list[str]) -> Iterator[None]:
+    """While `from_pretrained` dispatches a `device_map` with offloaded ("cpu"/"disk") entries: the
+    offloaded decoder layers and ViT blocks bring ALL their weights to the execution device when
+    they start (accelerate's `preload_module_classes`). Without it accelerate loads each submodule's
+    weights only when that submodule is called, and a layer that reads a child's weight directly
+    (the attention's grouped `wo_a` einsum) would see a meta tensor. transformers does not pass the
+    option itself, so its `dispatch_model` is wrapped for the duration of the call."""
+    try:
+        from transformers.integrations import accelerate as hf_accelerate
+    except ImportError:  # pragma: no cover - accelerate is a dependency
+        yield
+        return
+    original = getattr(hf_accelerate, "dispatch_model", None)
+    if original is None:
+        yield
+        return
+
+    @functools.wraps(original)
+    def dispatch_model(*args, **kwargs):
+        kwargs.setdefault("preload_module_classes", module_classes)
+        return original(*args, **kwargs)
+
+    hf_accelerate.dispatch_model = dispatch_model
+    try:
+        yield
+    finally:
+        hf_accelerate.dispatch_model = original
+
+
+class DeepseekV41PreTrainedModel(PreTrainedModel):
+    """Base class: config class, weight init, loading rules and device-map constraints.
+
+    - `base_model_prefix` ``"model"`` holds the :class:`DeepseekV41Transformer`, whose parameter
+      names are the official checkpoint names, so a converted folder (``model.`` + official name)
+      loads without any renaming.
+    - Module dtypes are fixed by the modules (fp8 linears with e8m0 scales, packed fp4 experts, fp32
+      mHC / sink / head / gate biases / ratio-2 compressor / ViT norms, bf16 elsewhere) whatever the
+      `dtype` passed to `from_pretrained`: the loader casts each stored tensor to the dtype of the
+      parameter it fills, which for a converted folder is always its own dtype (no value change), and
+      packed fp4 is viewed, never cast (:meth:`_get_dtype_plan`, :func:`_checkpoint_tensor_views`).
+    - `_keep_in_fp32_modules` lists the exact fp32 parameters of the instance (a name pattern such
+      as ``compressor.wkv`` would also catch the bf16 ratio-1 compressors).
+    - `_no_split_modules`: a decoder layer (its mHC, attention, MoE and Engram) and a ViT block
+      always sit on one device.
+    """
+
+    config_class = DeepseekV41Config
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    input_modalities = ("image", "text")
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["DeepseekV41DecoderLayer", "DeepseekV41VisionBlock"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
+    _supports_sdpa = False
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _can_compile_fullgraph = False
+    # the decode state cannot be rolled back (assisted decoding is refused)
+    _is_stateful = True
+
+    def _build_transformer(self, config: DeepseekV41Config) -> None:
+        self.model = DeepseekV41Transformer(config)
+        self._keep_in_fp32_modules = [f"model.{name}" for name in _fp32_parameter_names(self.model)]
+
+    # -- loading ------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`; ``dtype`` "auto" (the default) means bfloat16, the
+        compute dtype. It never changes a stored tensor: every parameter keeps its module dtype.
+        ``numerics="exact"`` sets `config.text_config.numerics` (bitwise the reference on CPU)."""
+        if kwargs.get("dtype", kwargs.get("torch_dtype")) in (None, "auto"):
+            kwargs.pop("torch_dtype", None)
+            kwargs["dtype"] = torch.bfloat16
+        with _offloaded_layers_load_whole(list(cls._no_split_modules)):
+            model = super().from_pretrained(*args, **kwargs)
+        # a folder without generation_config.json gets a fresh one from the config
+        model_or_first = model[0] if isinstance(model, tuple) else model
+        model_or_first._suppress_image_token()
+        return model
+
+    def _suppress_image_token(self) -> None:
+        generation_config = getattr(self, "generation_config", None)
+        if generation_config is None or not self.can_generate():
+            return
+        suppress = list(generation_config.suppress_tokens or [])
+        if self.config.image_token_id not in suppress:
+            generation_config.suppress_tokens = suppress + [self.config.image_token_id]
+
+    def _get_dtype_plan(self, dtype: torch.dtype) -> dict:
+        """Loader dtype rules: only packed fp4 needs one (None = take the stored I8 as is; the
+        parameter hook views it). Every other tensor is cast to its parameter's own dtype."""
+        if self.config.text_config.expert_weight_dtype == "fp4":
+            return {_FP4_EXPERT_WEIGHT: None}
+        return {}
+
+    @staticmethod
+    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+        with _checkpoint_tensor_views(model):
+            result = PreTrainedModel._load_pretrained_model(
+                model, state_dict, checkpoint_files, load_config, *args, **kwargs
+            )
+        _restore_host_tensors(model)
+        if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
+            _resave_offloaded_fp4(result[1], getattr(load_config, "disk_offload_folder", None))
+        return result
+
+    def save_pretrained(self, save_directory, *args, state_dict: dict | None = None, **kwargs):
+        """`PreTrainedModel.save_pretrained`, writing the converted-folder layout: packed fp4 as I8
+        (safetensors' F4 entries cannot be read back in slices) and, for a model of the installed
+        package, the remote-code files and `auto_map` (`conversion/bundle.py`), so the saved folder
+        loads like a converted one, with or without the package."""
+        if state_dict is None and not any(t.is_meta for t in self.state_dict().values()):
+            state_dict = {
+                name: tensor.view(torch.int8) if tensor.dtype == torch.float4_e2m1fn_x2 else tensor
+                for name, tensor in self.state_dict().items()
+            }
+        result = super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
+        package = __package__ or ""
+        if getattr(self, "_auto_class", None) is None and package.endswith(".modeling"):
+            # looked up at run time: the bundled (flat) copy of this file has no conversion package,
+            # and there transformers' own `custom_object_save` copies the files
+            bundle = importlib.import_module(package.rsplit(".", 1)[0] + ".conversion.bundle")
+            bundle.bundle_remote_code(save_directory)
+        return result
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Fresh values for parameters a checkpoint did not provide (and for `Model(config)`).
+
+        Quantized storage (fp8 / fp4 weights, e8m0 scales, the fp8 Engram tables) is never touched:
+        it only comes from a checkpoint. A missing Engram token map is set to -1, which the model
+        refuses with a clear error instead of hashing with garbage.
+        """
+        std = self.config.text_config.initializer_range
+        if isinstance(module, DeepseekV41Linear):
+            if not module.is_quantized:
+                init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, (nn.Embedding, DeepseekV41Head)):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, (DeepseekV41RMSNorm, DeepseekV41VisionRMSNorm)):
+            init.ones_(module.weight)
+        elif isinstance(module, DeepseekV41Gate):
+            init.normal_(module.weight, mean=0.0, std=std)
+            init.zeros_(module.bias)
+            init.zeros_(module.bias_vl)
+        elif isinstance(module, DeepseekV41Attention):
+            init.zeros_(module.attn_sink)
+        elif isinstance(module, DeepseekV41Engram):
+            init.ones_(module.q_weight)
+            init.ones_(module.k_weight)
+        elif isinstance(module, DeepseekV41EngramHash):
+            init.constant_(module.token_map, -1)
+        elif isinstance(module, DeepseekV41DecoderLayer):
+            for site in ("attn", "ffn"):
+                init.normal_(getattr(module, f"hc_{site}_fn"), mean=0.0, std=std)
+                init.zeros_(getattr(module, f"hc_{site}_base"))
+                init.ones_(getattr(module, f"hc_{site}_scale"))
+        elif isinstance(module, DeepseekV41Transformer) and module.vision_enabled:
+            for name in ("image_start", "image_end", "image_newline"):
+                init.normal_(getattr(module, name), mean=0.0, std=std)
+
+    # -- embeddings -----------------------------------------------------------------------
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed = value
+
+    def get_image_features(
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """Aligner rows of all images, bf16 ``[sum n_llm_h * n_llm_w, hidden_size]`` (images in
+        order, each row-major). See :meth:`DeepseekV41Transformer.get_image_features`."""
+        return self.model.get_image_features(pixel_values, image_grid_thw)
+
+    # -- shared forward plumbing ----------------------------------------------------------
+    def _run(
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        mm_token_type_ids: torch.Tensor | None,
+        pixel_values: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+        cache: DeepseekV41Cache | None,
+        use_cache: bool | None,
+        inputs_embeds: torch.Tensor | None,
+        logits_to_keep: int,
+    ) -> DeepseekV41TransformerOutput:
+        if inputs_embeds is not None:
+            raise DeepseekV41ModelError(
+                "inputs_embeds is not supported: the model needs input_ids (Engram hashes the token ids)"
+            )
+        if input_ids is None:
+            raise DeepseekV41ModelError("input_ids is required")
+        if cache is not None and not isinstance(cache, DeepseekV41Cache):
+            raise DeepseekV41ModelError(
+                f"the cache must be a DeepseekV41Cache, got {type(cache).__name__} (the model keeps a window ring, "
+                "compressor state and Engram history that a key/value cache cannot hold)"
+            )
+        prefill = cache is None or cache.get_seq_length() == 0
+        if prefill and attention_mask is not None and bool((attention_mask == 0).any()):
+            # Padded positions are run like tokens (the reference has no padding); padded rows are
+            # valid but not equal to their unpadded runs. Unpadded rows are unaffected.
+            warnings.warn(
+                "DeepseekV41: attention_mask has padding; padded positions are processed as tokens, so padded rows "
+                "do not reproduce their unpadded outputs exactly (unpadded rows of the batch do)",
+                stacklevel=3,
+            )
+        use_cache = self.config.text_config.use_cache if use_cache is None else use_cache
+        if cache is None and use_cache:
+            cache = DeepseekV41Cache(self.config)
+        if cache is not None and cache.get_seq_length() > 0:
+            # decode: generate() keeps extending mm_token_type_ids with zeros; the new positions are text
+            if mm_token_type_ids is not None and bool((mm_token_type_ids != 0).any()):
+                raise DeepseekV41ModelError("image positions after the prefill: images must be prefilled at position 0")
+            mm_token_type_ids = None
+        return self.model(
+            input_ids,
+            mm_token_type_ids=mm_token_type_ids,
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+            cache=cache,
+            logits_to_keep=logits_to_keep,
+        )
+
+
+class DeepseekV41Model(DeepseekV41PreTrainedModel):
+    """The backbone for `AutoModel`: returns the final normed hidden states (the head input).
+
+    Forward args as :meth:`DeepseekV41ForConditionalGeneration.forward`; returns
+    `BaseModelOutputWithPast` (``last_hidden_state`` bf16 ``[B, S, D]``, ``cache``).
+    """
+
+    def __init__(self, config: DeepseekV41Config):
+        super().__init__(config)
+        self._build_transformer(config)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        cache: DeepseekV41Cache | None = None,
+        past_key_values: DeepseekV41Cache | None = None,
+        use_cache: bool | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        out = self._run(
+            input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw,
+            cache if cache is not None else past_key_values, use_cache, inputs_embeds, 1,
+        )
+        return BaseModelOutputWithPast(last_hidden_state=out.last_hidden_state, cache=out.cache)
+
+
+class DeepseekV41ForConditionalGeneration(DeepseekV41PreTrainedModel, GenerationMixin):
+    """DeepSeek-V4.1-Flash with image input, for `generate`, `AutoModelForImageTextToText` and the
+    ``image-text-to-text`` pipeline. Mirrors `inference/model.py: Transformer` + `generate.py`.
+
+    Generation follows the reference: one prefill from position 0 (images are encoded there, once
+    each), then one token per step through :class:`DeepseekV41Cache`; `mm_token_type_ids` is
+    extended with zeros by `generate` and the new positions are text. The image token id is never
+    generated (it is suppressed in logits processing).
+
+    Padding: batches are left-padded by the processor; padded positions run as tokens (the
+    reference has no padding), so a padded row's output is valid but not the one it would have
+    alone; unpadded rows are exact.
+    """
+
+    def __init__(self, config: DeepseekV41Config):
+        super().__init__(config)
+        self._build_transformer(config)
+        self.post_init()
+        self._suppress_image_token()
+
+    def get_output_embeddings(self) -> DeepseekV41Head:
+        return self.model.head
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        cache: DeepseekV41Cache | None = None,
+        past_key_values: DeepseekV41Cache | None = None,
+        use_cache: bool | None = None,
+        labels: torch.LongTensor | None = None,
+        logits_to_keep: int = 0,
+        inputs_embeds: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """Prefill (empty or no cache) or a one-token decode step.
+
+        Args:
+            input_ids: int64 ``[B, S]``; every image-span position carries `image_token_id`.
+            attention_mask: int ``[B, S]``; 0 marks padding (run as tokens, see the class doc).
+            mm_token_type_ids: int ``[B, S]``, 1 on image-span positions (processor output).
+            pixel_values: float ``[total_patches, 588]``; prefill only. image_grid_thw: int
+                ``[n_images, 3]`` rows ``(1, n_vit_h, n_vit_w)``.
+            cache / past_key_values: a :class:`DeepseekV41Cache`; a new one is made when
+                `use_cache` (default `text_config.use_cache`) and none is given.
+            labels: int64 ``[B, S]`` for the causal LM loss (-100 ignored); needs all logits.
+            logits_to_keep: logits of the last K positions (0: all). `generate` passes 1, which
+                computes the head exactly as the reference (a GEMM over ``[B, D]``).
+            position_ids: ignored (positions follow the cache). inputs_embeds: refused.
+
+        Returns:
+            `CausalLMOutputWithPast`: ``logits`` fp32 ``[B, K, V]``, ``cache``, ``loss``.
+
+        Raises:
+            DeepseekV41ModelError: inputs_embeds, a cache of another type, image spans that do not
+                fit the images, images after position 0.
+            DeepseekV41AttentionError: more than one token per decode step.
+        """
+        if labels is not None:
+            logits_to_keep = 0
+        out = self._run(
+            input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw,
+            cache if cache is not None else past_key_values, use_cache, inputs_embeds, logits_to_keep,
+        )
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=out.logits, labels=labels, vocab_size=self.config.text_config.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=out.logits, cache=out.cache)
+
+    # -- generation -----------------------------------------------------------------------
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
+        """A :class:`DeepseekV41Cache` for the batch (the model has no key/value cache to share)."""
+        if model_kwargs.get("cache") is not None:
+            model_kwargs["cache"]._is_user_defined = True
+            return
+        if model_kwargs.get("past_key_values") is not None:
+            model_kwargs["cache"] = model_kwargs.pop("past_key_values")
+            return
+        if generation_config.use_cache is False:
+            return
+        model_kwargs["cache"] = DeepseekV41Cache(self.config)
+
+    def _expand_inputs_for_generation(self, expand_size: int = 1, *args, **kwargs):
+        # pixel_values / image_grid_thw are per image, not per batch row: a plain repeat would
+        # pair rows with the wrong images
+        if expand_size > 1 and kwargs.get("pixel_values") is not None:
+            raise DeepseekV41ModelError(
+                "num_beams > 1 or num_return_sequences > 1 with images is not supported; repeat the prompt in the batch"
+            )
+        return super()._expand_inputs_for_generation(expand_size, *args, **kwargs)
+
+    def _get_logits_processor(self, generation_config, *args, **kwargs):
+        processors = super()._get_logits_processor(generation_config, *args, **kwargs)
+        suppressed = generation_config.suppress_tokens or []
+        if self.config.image_token_id not in suppressed:
+            # also when a caller's generation config dropped it: the image id is never a valid output
+            device = kwargs.get("device") or self.device
+            processors.append(SuppressTokensLogitsProcessor([self.config.image_token_id], device=device))
+        return processors
+
+
+class DeepseekV41ForCausalLM(DeepseekV41ForConditionalGeneration):
+    """Text-only DeepSeek-V4.1-Flash for `AutoModelForCausalLM`: the same backbone without the
+    vision tower (a folder with vision weights loads; they are left unused)."""
+
+    input_modalities = ("text",)
+    # a VL folder loads: its vision weights are expected to be left unused
+    _keys_to_ignore_on_load_unexpected = [r"^model\.(vision|aligner)\.", r"^model\.image_(start|end|newline)$"]
+
+    def __init__(self, config: DeepseekV41Config):
+        if config.vision_config.num_hidden_layers:
+            config = copy.deepcopy(config)
+            config.vision_config.num_hidden_layers = 0
+            config.architectures = ["DeepseekV41ForCausalLM"]
+        super().__init__(config)
+
+    def forward(self, input_ids: torch.LongTensor | None = None, *args, pixel_values=None, **kwargs):
+        if pixel_values is not None:
+            raise DeepseekV41ModelError("DeepseekV41ForCausalLM is text-only; use DeepseekV41ForConditionalGeneration")
+        return super().forward(input_ids, *args, **kwargs)
+
+
 __all__ = [
     "DeepseekV41DecoderLayer",
+    "DeepseekV41ForCausalLM",
+    "DeepseekV41ForConditionalGeneration",
+    "DeepseekV41Model",
+    "DeepseekV41PreTrainedModel",
     "DeepseekV41Head",
     "DeepseekV41ModelError",
     "DeepseekV41Transformer",
