@@ -201,7 +201,14 @@ class DeepseekV41VisionAttention(nn.Module):
         n = hidden_states.shape[0]
         q, k, v = (t.view(n, self.num_heads, self.head_dim) for t in self.wqkv(hidden_states).chunk(3, dim=-1))
         q, k = apply_vision_rope(q, k, cos, sin, backend=self.rope_backend)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, N, head_dim], as the reference
+        if q.is_cuda:
+            # PyTorch's fused (flash / memory-efficient) SDPA kernels take only 4-D inputs; a 3-D
+            # call falls back to the fp32 math path, about 15x slower on an H200.
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+        else:
+            # the reference's exact call: on the CPU this keeps the tower bit-identical to it
+            out = F.scaled_dot_product_attention(q, k, v)
         return self.wo(out.transpose(0, 1).reshape(n, -1))
 
 
