@@ -18,6 +18,24 @@ Here that is explicit: the caller creates one :class:`DeepseekV41AttentionState`
 a :class:`DeepseekV41AttentionCache` that persists across forwards for decoding) and passes it to
 every layer in order. Nothing is kept in module globals.
 
+Forwards the reference supports: a prefill at position 0, then one-token decode steps. Two more
+are supported here (the reference cannot do either):
+
+- **Chunked prefill**: a chunk of S > 1 tokens after position 0 continues the sequence as if it had
+  been part of one prefill. Its queries see the window KV of the last `window` positions (the ring
+  of earlier chunks, then this chunk's rows), the ratio-2 compressor completes the partial group
+  parked by the previous chunk, a compressed position becomes visible once its group is complete
+  (j < (t + 1) // ratio), and the indexer ranks every compressed position so far. The index lists
+  keep the one-shot layout (window columns first, ascending, -1 padded; then the top-k columns).
+- **Left padding**: `DeepseekV41AttentionState.pad_offsets` (``[B]`` pad tokens before each row's
+  first real token, see :func:`left_padding_offsets`) makes every row behave as if it started at
+  its first real token: RoPE positions, the window's lower bound, the compressor's groups (pairs
+  of absolute positions counted from the row's first token), visibility, the compressed rows
+  (stored per row at their own group index) and the reference's "last publisher" of index keys
+  are all per row. Pad positions' outputs are don't-care; nothing real ever reads them. In exact
+  numerics the indexer then ranks each row over exactly its own compressed positions, as the row
+  alone would (`torch.topk` breaks ties depending on the row's width).
+
 Numerics follow the reference op for op (fp32 RMSNorm/RoPE/pooling, bf16 index scores, the
 online-softmax order of `kernel.sparse_attn`), so on CPU with ``numerics="exact"`` the outputs are
 bitwise equal to the reference's.
@@ -94,22 +112,48 @@ class DeepseekV41RMSNorm(nn.Module):
 
 
 class _RowBuffer:
-    """Rows ``[B, n, D]`` appended along dim 1, stored with doubling capacity."""
+    """Rows ``[B, n, D]`` appended along dim 1, stored with doubling capacity.
+
+    `length` is the number of rows of the longest batch row; with left padding a shorter batch row
+    holds zeros past its own end (nothing reads them: they are never visible to its queries).
+    """
 
     def __init__(self, rows: torch.Tensor):
         self._data = rows.contiguous()
         self.length = rows.size(1)
 
-    def write(self, start: int, rows: torch.Tensor) -> None:
-        if start != self.length:
-            raise DeepseekV41AttentionError(f"cache rows must be appended in order: row {start} after {self.length}")
-        end = start + rows.size(1)
+    @classmethod
+    def empty(cls, like: torch.Tensor) -> "_RowBuffer":
+        """A buffer with no rows, for `like`'s batch, width, dtype and device."""
+        return cls(like.new_zeros(like.size(0), 0, like.size(-1)))
+
+    def _grow(self, end: int) -> None:
         if end > self._data.size(1):
             grown = self._data.new_zeros(self._data.size(0), max(end, 2 * self._data.size(1)), self._data.size(2))
             grown[:, : self.length] = self._data[:, : self.length]
             self._data = grown
+
+    def write(self, start: int, rows: torch.Tensor) -> None:
+        if start != self.length:
+            raise DeepseekV41AttentionError(f"cache rows must be appended in order: row {start} after {self.length}")
+        end = start + rows.size(1)
+        self._grow(end)
         self._data[:, start:end] = rows
         self.length = end
+
+    def scatter(self, index: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> None:
+        """Per batch row writes: ``data[b, index[b, i]] = rows[b, i]`` where ``valid[b, i]``.
+
+        index: int64 ``[B, n]`` (each batch row's own group indices), rows ``[B, n, D]``, valid bool
+        ``[B, n]``.
+        """
+        if not bool(valid.any()):
+            return
+        end = int(index[valid].max()) + 1
+        self._grow(end)
+        batch = torch.arange(index.size(0), device=index.device).unsqueeze(1).expand_as(index)
+        self._data[batch[valid], index[valid]] = rows[valid].to(self._data.dtype)
+        self.length = max(self.length, end)
 
     def rows(self, n: int) -> torch.Tensor:
         if n > self.length:
@@ -144,15 +188,72 @@ class DeepseekV41AttentionCache:
     its group completes. On a decode step that completes no group, a ratio-2 indexer therefore reads
     the keys of the last publisher of the previous forward (the ratio-1 source). Kept so decode
     matches the reference tensor for tensor.
+
+    With left padding the batch rows reach their group boundaries at different steps, so the
+    publisher is per batch row: `index_k_publisher_rows` (int64 ``[B]``, -1 = none yet) when the
+    rows differ, None when they agree (then `index_k_publisher` is every row's).
+
+    Attributes:
+        layers: layer id -> :class:`DeepseekV41LayerAttentionCache`.
+        index_k_publisher: the layer whose index keys were published last (None before any).
+        index_k_publisher_rows: per batch row publisher when the rows differ, else None.
+        pad_offsets: int64 ``[B]`` left-padding of the batch rows as last given by the caller
+            (:func:`left_padding_offsets`), reused by forwards that pass none; None = no padding.
+        prefill_length: optional, set by a caller that prefills a prompt of this many (padded)
+            columns in several chunks. Exact numerics then give each chunk's index lists the
+            widths one prefill of the whole prompt has (window columns, top-k columns) and rank
+            the indexer scores over the same width, padding with -inf: `torch.topk` breaks exact
+            ties depending on the width it ranks, so this makes chunks pick what one prefill
+            picks. Without it a chunk ranks the positions that exist so far (the same selection
+            up to tie choices).
     """
 
     def __init__(self):
         self.layers: dict[int, DeepseekV41LayerAttentionCache] = {}
         self.seen_tokens = 0  # kept up to date by the owning transformers cache
         self.index_k_publisher: int | None = None
+        self.index_k_publisher_rows: torch.Tensor | None = None
+        self.pad_offsets: torch.Tensor | None = None
+        self.prefill_length: int | None = None
 
     def layer(self, layer_id: int) -> DeepseekV41LayerAttentionCache:
         return self.layers.setdefault(layer_id, DeepseekV41LayerAttentionCache())
+
+    def publish_index_keys(self, layer_id: int, rows: torch.Tensor | None = None) -> None:
+        """Record that `layer_id` published index keys, for all batch rows or those where `rows`
+        (bool ``[B]``) is True."""
+        if rows is None or bool(rows.all()):
+            self.index_k_publisher, self.index_k_publisher_rows = layer_id, None
+            return
+        if not bool(rows.any()):
+            return
+        current = self.index_k_publisher_rows
+        if current is None:
+            current = torch.full(rows.shape, -1 if self.index_k_publisher is None else self.index_k_publisher,
+                                 dtype=torch.int64, device=rows.device)
+        self.index_k_publisher_rows = torch.where(rows, layer_id, current)
+        self.index_k_publisher = layer_id
+
+    def index_keys(self, n: int, reader: int) -> torch.Tensor:
+        """The first `n` published index keys ``[B, n, index_head_dim]``, each batch row's from its
+        own last publisher (rows without one get zeros; they see no compressed position).
+
+        Raises:
+            DeepseekV41AttentionError: nothing published yet (`reader` names the asking layer).
+        """
+        if self.index_k_publisher is None:
+            raise DeepseekV41AttentionError(f"layer {reader}: no index keys were published before its indexer")
+        if self.index_k_publisher_rows is None:
+            return self.layer(self.index_k_publisher).index_k.rows(n)
+        publishers = self.index_k_publisher_rows
+        keys = None
+        for layer_id in sorted(set(publishers.tolist()) - {-1}):
+            rows = self.layer(layer_id).index_k.rows(n)
+            if keys is None:
+                keys = torch.where((publishers == layer_id).view(-1, 1, 1), rows, torch.zeros_like(rows))
+            else:
+                keys = torch.where((publishers == layer_id).view(-1, 1, 1), rows, keys)
+        return keys
 
 
 @dataclass
@@ -173,6 +274,9 @@ class DeepseekV41AttentionState:
             int16 (int32 past 32767 blocks) (None until it ran). The same set as `candidates`, in
             O(S x candidate_topk_blocks) memory instead of O(S x T).
         record_index_scores: keep each indexer's masked scores in `index_scores` (tests, analysis).
+        pad_offsets: int64 ``[B]`` pad tokens before each row's first real token (left padding;
+            positions are then counted per row from its first real token), or None. `start_pos`
+            stays the padded column index of the first token of this forward.
     """
 
     start_pos: int = 0
@@ -182,6 +286,53 @@ class DeepseekV41AttentionState:
     record_index_scores: bool = False
     index_scores: dict[int, torch.Tensor] = field(default_factory=dict)
     candidate_blocks: torch.Tensor | None = None  # last: keeps the older fields' positions
+    pad_offsets: torch.Tensor | None = None
+    _pads: list[int] | None = field(default=None, init=False, repr=False)  # pad_offsets on the host
+
+    def positions(self, seqlen: int, device=None) -> torch.Tensor:
+        """Positions of this forward's tokens: int64 ``[S]`` (start_pos .. start_pos + S - 1), or
+        with `pad_offsets` ``[B, S]`` counted from each row's first real token (pads negative)."""
+        pos = torch.arange(self.start_pos, self.start_pos + seqlen, device=device)
+        if self.pad_offsets is None:
+            return pos
+        return pos - self.pad_offsets.to(device=pos.device, dtype=torch.int64).unsqueeze(1)
+
+    def _host_pads(self) -> list[int]:
+        if self.pad_offsets is None:
+            return [0]
+        if self._pads is None:
+            self._pads = self.pad_offsets.tolist()  # one device sync per forward
+        return self._pads
+
+    def real_ends(self, seqlen: int) -> list[int]:
+        """Per batch row: real tokens up to the end of this forward of `seqlen` tokens (the row's
+        sequence length so far). Without padding a single entry, ``start_pos + S``."""
+        end = self.start_pos + seqlen
+        return [max(0, end - pad) for pad in self._host_pads()]
+
+    def min_pad(self) -> int:
+        """The fewest pad tokens of any batch row (0 without padding)."""
+        return min(self._host_pads())
+
+    def rank_ends(self, seqlen: int) -> list[int]:
+        """Per batch row: the sequence length whose widths this forward's index lists take (see
+        `DeepseekV41AttentionCache.prefill_length`): the real length so far, or for a chunk of a
+        prompt of known length the row's length at the end of the prompt."""
+        ends = self.real_ends(seqlen)
+        total = self.cache.prefill_length
+        if total is None or seqlen == 1 or self.start_pos + seqlen > total:
+            return ends
+        return [max(end, total - pad) for end, pad in zip(ends, self._host_pads())]
+
+    def window_span(self, seqlen: int) -> int:
+        """Padded columns whose window layout this multi-token forward takes (one prefill's)."""
+        total = self.cache.prefill_length
+        end = self.start_pos + seqlen
+        return max(end, total) if total is not None and end <= total else end
+
+    def max_real_end(self, seqlen: int) -> int:
+        """The longest row's sequence length after this forward (``start_pos + S`` unpadded)."""
+        return max(self.real_ends(seqlen))
 
 
 # --------------------------------------------------------------------------- index helpers
@@ -202,6 +353,86 @@ def window_topk_idxs(window: int, batch: int, seqlen: int, start_pos: int, devic
         idxs = torch.cat([torch.arange(oldest, window, device=device), torch.arange(oldest, device=device)])
         idxs = torch.where(idxs > start_pos, -1, idxs).unsqueeze(0)
     return idxs.int().unsqueeze(0).expand(batch, -1, -1).contiguous()
+
+
+def chunk_window_idxs(
+    window: int,
+    batch: int,
+    seqlen: int,
+    start_pos: int,
+    pad_offsets: torch.Tensor | None = None,
+    device=None,
+    span: int | None = None,
+) -> torch.Tensor:
+    """Window rows of a multi-token forward (a prefill, or a prefill chunk after position 0).
+
+    The KV rows are this forward's S rows, preceded (start_pos > 0) by the `window` ring slots of
+    the earlier positions (slot = position % window). Query t (padded column start_pos + i) sees
+    the positions max(t - window + 1, first real position of its row) .. t, ascending in columns
+    0, 1, ..., then -1: the layout of a one-shot prefill, so a chunk's rows match it.
+
+    Returns:
+        int32 ``[B, S, min(window, span)]`` (`span` defaults to start_pos + S: the layout of a
+        prefill ending here); at start_pos 0 without padding exactly :func:`window_topk_idxs`.
+    """
+    pos = torch.arange(start_pos, start_pos + seqlen, device=device)
+    width = min(window, max(start_pos + seqlen, span or 0))
+    low = (pos - window + 1).clamp_min(0).unsqueeze(0)  # [1, S]
+    if pad_offsets is not None:
+        low = torch.maximum(low, pad_offsets.to(device=pos.device, dtype=torch.int64).unsqueeze(1))  # [B, S]
+    seen = low.unsqueeze(-1) + torch.arange(width, device=pos.device)  # positions, [.., S, width]
+    if start_pos > 0:
+        rows = torch.where(seen < start_pos, seen % window, window + seen - start_pos)
+    else:
+        rows = seen
+    idxs = torch.where(seen > pos.unsqueeze(-1), -1, rows).int()
+    return idxs.expand(batch, -1, -1).contiguous()
+
+
+def decode_window_idxs(window: int, batch: int, start_pos: int, pad_offsets: torch.Tensor | None = None, device=None):
+    """Ring slots of a one-token step, oldest to newest (:func:`window_topk_idxs`), with the slots
+    of a left-padded row's pad positions set to -1. int32 ``[B, 1, window]``."""
+    idxs = window_topk_idxs(window, batch, 1, start_pos, device)
+    if pad_offsets is None:
+        return idxs
+    # column c holds position start_pos - window + 1 + c
+    held = torch.arange(start_pos - window + 1, start_pos + 1, device=idxs.device)
+    pads = pad_offsets.to(device=idxs.device, dtype=torch.int64).view(-1, 1, 1)
+    return torch.where(held < pads, -1, idxs).int()
+
+
+def left_padding_offsets(attention_mask: torch.Tensor | None, past_length: int, seqlen: int) -> torch.Tensor | None:
+    """Pad tokens before each row's first real token, from a transformers attention mask.
+
+    Args:
+        attention_mask: ``[B, past_length + S]`` (1 = token, 0 = padding) covering every position
+            so far, as `generate` passes it; None = no padding.
+        past_length: positions processed before this forward.
+        seqlen: S, the tokens of this forward.
+
+    Returns:
+        int64 ``[B]`` (the leading zeros of each row; a row padded throughout gets the mask width),
+        or None when no row has padding.
+
+    Raises:
+        DeepseekV41AttentionError: a mask of another width, values other than 0/1, or padding that
+            is not on the left (a 0 after a 1).
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.size(1) != past_length + seqlen:
+        raise DeepseekV41AttentionError(
+            f"attention_mask must be [batch, past + seq] = [B, {past_length + seqlen}], got {tuple(attention_mask.shape)}"
+        )
+    mask = attention_mask.to(torch.int64)
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise DeepseekV41AttentionError("attention_mask must hold only 0 (padding) and 1 (token)")
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise DeepseekV41AttentionError(
+            "only left padding is supported: attention_mask has a 0 after a 1 (pad the batch on the left)"
+        )
+    pads = (mask == 0).sum(dim=1)
+    return pads if bool(pads.any()) else None
 
 
 def candidate_block_ids(
@@ -293,11 +524,33 @@ def sparse_attention(
 # --------------------------------------------------------------------------- submodules
 
 
-def _latent_positions(start_pos: int, seqlen: int, ratio: int, device) -> torch.Tensor:
-    """Positions of the latents a forward emits: each latent takes its group's first token."""
-    if start_pos == 0:
-        return torch.arange(0, seqlen - seqlen % ratio, ratio, device=device)
-    return torch.arange(start_pos + 1 - ratio, start_pos + 2 - ratio, device=device)  # made on device: no copy
+@dataclass
+class _Latents:
+    """Latents one forward's compressor emits (pre-RoPE, bf16 ``[B, n, D]``).
+
+    groups: int64 group index j of each latent (its RoPE position is j * ratio): ``[n]`` when all
+    batch rows emit the same groups (then `first` is groups[0] as an int and `valid` None), else
+    ``[B, n]`` with `valid` bool ``[B, n]`` marking the latents that exist (left padding).
+    """
+
+    values: torch.Tensor
+    groups: torch.Tensor
+    valid: torch.Tensor | None = None
+    first: int | None = None
+
+    def store(self, buffer: _RowBuffer | None, rows: torch.Tensor, fresh: bool) -> _RowBuffer:
+        """Write `rows` (``[B, n, .]``, one per latent) into `buffer` (a new one when `fresh`)."""
+        if self.valid is None:
+            if fresh or buffer is None:
+                if self.first == 0:
+                    return _RowBuffer(rows)
+                buffer = _RowBuffer.empty(rows)
+            buffer.write(self.first, rows)
+            return buffer
+        if fresh or buffer is None:
+            buffer = _RowBuffer.empty(rows)
+        buffer.scatter(self.groups, rows, self.valid)
+        return buffer
 
 
 class DeepseekV41Compressor(nn.Module):
@@ -307,9 +560,10 @@ class DeepseekV41Compressor(nn.Module):
     - ratio > 1: x in fp32, kv = wkv(x), score = wgate(x) (fp32 weights), per-channel softmax of the
       score over the group's tokens, latent = sum(kv * softmax), cast to bf16, then norm. Groups are
       aligned to absolute positions (r*j .. r*j + r-1); a trailing partial group is parked in the
-      cache and completed by decode steps. ``numerics="fast"`` projects and pools the prefill in
-      chunks of whole groups (the fp32 copy of x is the largest intermediate); the values are the
-      same.
+      cache and completed by later forwards (decode steps or prefill chunks). With left padding the
+      positions are each row's own (counted from its first real token). ``numerics="fast"``
+      projects the rows in chunks (the fp32 copy of x is the largest intermediate); the values
+      are the same.
 
     Mirrors `inference/model.py: Compressor`.
     """
@@ -326,36 +580,132 @@ class DeepseekV41Compressor(nn.Module):
             self.wkv = DeepseekV41Linear(config.hidden_size, head_dim, "fp32", numerics)
             self.wgate = DeepseekV41Linear(config.hidden_size, head_dim, "fp32", numerics)
 
-    def forward(self, x: torch.Tensor, start_pos: int, cache: DeepseekV41LayerAttentionCache) -> torch.Tensor | None:
-        """x bf16 ``[B, S, dim]`` -> bf16 latents ``[B, n, head_dim]`` or None (no group completed).
+    def forward(
+        self,
+        x: torch.Tensor,
+        start_pos: int,
+        cache: DeepseekV41LayerAttentionCache,
+        pad_offsets: torch.Tensor | None = None,
+    ) -> _Latents | None:
+        """x bf16 ``[B, S, dim]`` at padded columns start_pos.. -> the latents it completes, or None.
 
         Raises:
-            DeepseekV41AttentionError: a decode step (start_pos > 0) before any prefill.
+            DeepseekV41AttentionError: a forward after position 0 before any prefill.
         """
         ratio, dtype = self.ratio, x.dtype
+        bsz, seqlen, _ = x.shape
         if ratio == 1:
-            return self.norm(self.wkv(x))
-        if start_pos == 0:
+            latent = self.norm(self.wkv(x))
+            pos = torch.arange(start_pos, start_pos + seqlen, device=x.device)
+            if pad_offsets is None:
+                return _Latents(latent, pos, first=start_pos)
+            pos = pos - pad_offsets.to(device=x.device, dtype=torch.int64).unsqueeze(1)
+            return _Latents(latent, pos.clamp_min(0), valid=pos >= 0)
+        if start_pos == 0 and pad_offsets is None:
             pooled = self._prefill(x, cache)
-            return None if pooled is None else self.norm(pooled.to(dtype))
-        if cache.compressor_kv is None:
-            raise DeepseekV41AttentionError("decode step before any prefill: the compressor has no state")
-        x = x.float()
+            if pooled is None:
+                return None
+            groups = torch.arange(pooled.size(1), device=x.device)
+            return _Latents(self.norm(pooled.to(dtype)), groups, first=0)
+        if start_pos > 0 and cache.compressor_kv is None:
+            raise DeepseekV41AttentionError("a forward after position 0 before any prefill: the compressor has no state")
+        if start_pos == 0:
+            self._new_state(x, cache)  # a new sequence (left-padded prefill)
+        if seqlen == 1 and pad_offsets is None:
+            return self._step(x, start_pos, cache)
+        return self._continue(x, start_pos, cache, pad_offsets)
+
+    def _new_state(self, x: torch.Tensor, cache: DeepseekV41LayerAttentionCache) -> None:
+        head_dim = self.wkv.out_features
+        cache.compressor_kv = x.new_zeros(x.size(0), self.ratio, head_dim, dtype=torch.float32)
+        cache.compressor_score = x.new_full((x.size(0), self.ratio, head_dim), -torch.inf, dtype=torch.float32)
+
+    def _step(self, x: torch.Tensor, start_pos: int, cache: DeepseekV41LayerAttentionCache) -> _Latents | None:
+        """One decode token (no padding): the reference's slot update, a latent when the group ends."""
+        ratio = self.ratio
+        xf = x.float()
         slot = start_pos % ratio
-        cache.compressor_kv[:, slot] = self.wkv(x).squeeze(1)
-        cache.compressor_score[:, slot] = self.wgate(x).squeeze(1)
+        cache.compressor_kv[:, slot] = self.wkv(xf).squeeze(1)
+        cache.compressor_score[:, slot] = self.wgate(xf).squeeze(1)
         if (start_pos + 1) % ratio:
             return None
         pooled = (cache.compressor_kv * cache.compressor_score.softmax(dim=1)).sum(dim=1, keepdim=True)
-        return self.norm(pooled.to(dtype))
+        group = start_pos // ratio
+        return _Latents(self.norm(pooled.to(x.dtype)), torch.arange(group, group + 1, device=x.device), first=group)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 kv and score ``[B, S, D]`` of every row (fast numerics: in row chunks)."""
+        bsz, seqlen, dim = x.shape
+        chunk = _query_chunk(self.numerics, bsz * (dim + 2 * self.wkv.out_features), x.device) or seqlen
+        kvs, scores = [], []
+        for r in range(0, seqlen, chunk):
+            xf = x[:, r : r + chunk].float()
+            kvs.append(self.wkv(xf))
+            scores.append(self.wgate(xf))
+        if len(kvs) == 1:
+            return kvs[0], scores[0]
+        return torch.cat(kvs, dim=1), torch.cat(scores, dim=1)
+
+    def _continue(
+        self, x: torch.Tensor, start_pos: int, cache: DeepseekV41LayerAttentionCache, pad_offsets: torch.Tensor | None
+    ) -> _Latents | None:
+        """Any forward but a plain prefill or decode step: a prefill chunk after position 0, or a
+        left-padded batch (prefill or step).
+
+        Per batch row, the real positions of this forward are [first, end). Groups
+        first // ratio .. end // ratio - 1 complete here; the positions of a group before `first`
+        come from the parked partial group (slot = position % ratio), the others from this
+        forward's rows. Positions from (end // ratio) * ratio on are parked for the next forward.
+        """
+        ratio, dtype = self.ratio, x.dtype
+        bsz, seqlen, _ = x.shape
+        device = x.device
+        kv, score = self._project(x)
+        pads = (
+            torch.zeros(bsz, dtype=torch.int64, device=device)
+            if pad_offsets is None
+            else pad_offsets.to(device=device, dtype=torch.int64)
+        )
+        offset = start_pos - pads  # real position of this forward's row 0, per batch row
+        first = offset.clamp_min(0)
+        end = (offset + seqlen).clamp_min(0)
+        g_first, g_end = first // ratio, end // ratio
+        n_groups = g_end - g_first
+        n_max = int(n_groups.max())
+        latents = None
+        if n_max > 0:
+            steps = torch.arange(n_max, device=device)
+            groups = g_first.unsqueeze(1) + steps  # [B, n]
+            valid = steps < n_groups.unsqueeze(1)
+            pos = groups.unsqueeze(-1) * ratio + torch.arange(ratio, device=device)  # [B, n, ratio]
+            from_rows = ratio + pos - offset.view(-1, 1, 1)  # index into [parked slots ; rows]
+            source = torch.where(pos < first.view(-1, 1, 1), pos % ratio, from_rows)
+            source = torch.where(valid.unsqueeze(-1), source, ratio)  # absent latents read row 0
+            source = source.flatten(1).unsqueeze(-1).expand(-1, -1, kv.size(-1))
+            all_kv = torch.cat([cache.compressor_kv, kv], dim=1).gather(1, source).unflatten(1, (n_max, ratio))
+            all_score = torch.cat([cache.compressor_score, score], dim=1).gather(1, source).unflatten(1, (n_max, ratio))
+            pooled = (all_kv * all_score.softmax(dim=2)).sum(dim=2)
+            values = self.norm(pooled.to(dtype))
+            if pad_offsets is None:
+                group0 = start_pos // ratio  # every row alike
+                latents = _Latents(values, groups[0], first=group0)
+            else:
+                latents = _Latents(values, groups, valid=valid)
+        # park the new partial group (after reading the old one above)
+        for r in range(ratio):
+            t = g_end * ratio + r
+            write = ((t >= first) & (t < end)).view(-1, 1)
+            row = (t - offset).clamp(0, seqlen - 1).view(-1, 1, 1).expand(-1, 1, kv.size(-1))
+            cache.compressor_kv[:, r] = torch.where(write, kv.gather(1, row).squeeze(1), cache.compressor_kv[:, r])
+            cache.compressor_score[:, r] = torch.where(write, score.gather(1, row).squeeze(1), cache.compressor_score[:, r])
+        return latents
 
     def _prefill(self, x: torch.Tensor, cache: DeepseekV41LayerAttentionCache) -> torch.Tensor | None:
         """Pooled fp32 groups ``[B, S // ratio, D]`` of a prefill (None if S < ratio); parks the tail."""
         ratio = self.ratio
         bsz, seqlen, dim = x.shape
         head_dim = self.wkv.out_features
-        cache.compressor_kv = x.new_zeros(bsz, ratio, head_dim, dtype=torch.float32)
-        cache.compressor_score = x.new_full((bsz, ratio, head_dim), -torch.inf, dtype=torch.float32)
+        self._new_state(x, cache)
         full = seqlen - seqlen % ratio
         chunk = _query_chunk(self.numerics, bsz * (dim + 2 * head_dim), x.device)
         if chunk is None:
@@ -419,18 +769,13 @@ class DeepseekV41Indexer(nn.Module):
             self.wk = DeepseekV41Linear(config.head_dim, self.head_dim, "bf16", numerics)
             self.k_norm = DeepseekV41RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def publish_keys(
-        self, latent: torch.Tensor, latent_freqs: torch.Tensor, start_pos: int, state: DeepseekV41AttentionState
-    ) -> None:
-        """Turn this forward's pre-RoPE latents ``[B, n, D]`` into index keys and publish them."""
-        k = apply_rotary(self.k_norm(self.wk(latent)), latent_freqs)
+    def publish_keys(self, latents: _Latents, latent_freqs: torch.Tensor, state: DeepseekV41AttentionState) -> None:
+        """Turn this forward's pre-RoPE latents into index keys, store and publish them."""
+        k = apply_rotary(self.k_norm(self.wk(latents.values)), latent_freqs)
         k = fake_quant_fp4(k, *INDEXER_FP4)
         layer_cache = state.cache.layer(self.layer_id)
-        if start_pos == 0:
-            layer_cache.index_k = _RowBuffer(k)
-        else:
-            layer_cache.index_k.write(start_pos // self.ratio, k)
-        state.cache.index_k_publisher = self.layer_id
+        layer_cache.index_k = latents.store(layer_cache.index_k, k, fresh=state.start_pos == 0)
+        state.cache.publish_index_keys(self.layer_id, None if latents.valid is None else latents.valid.any(dim=1))
 
     def forward(
         self,
@@ -439,28 +784,39 @@ class DeepseekV41Indexer(nn.Module):
         freqs: torch.Tensor,
         state: DeepseekV41AttentionState,
         offset: int,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x ``[B, S, dim]`` (attn_norm output), qr ``[B, S, q_lora]``, freqs the queries' rotation
-        -> int32 ``[B, S, min(index_topk, end//ratio)]`` indices into the concatenated KV.
+        (``[S, rd/2]`` or per row ``[B, S, rd/2]``), positions the queries' positions (``[S]`` or
+        ``[B, S]``, default from `state`) -> int32 ``[B, S, min(index_topk, T)]`` indices into the
+        concatenated KV, T = the compressed positions of the longest row so far.
 
         Raises:
             DeepseekV41AttentionError: no index keys published yet, or a candidate user running
                 before the candidate source.
         """
         bsz, seqlen, _ = x.shape
-        end_pos = state.start_pos + seqlen
-        publisher = state.cache.index_k_publisher
-        if publisher is None:
-            raise DeepseekV41AttentionError(f"layer {self.layer_id}: no index keys were published before its indexer")
-        index_k = state.cache.layer(publisher).index_k.rows(end_pos // self.ratio)
+        if positions is None:
+            positions = state.positions(seqlen, x.device)
+        index_k = state.cache.index_keys(state.max_real_end(seqlen) // self.ratio, self.layer_id)
         chunk = _query_chunk(self.numerics, bsz * self.n_heads * index_k.size(1), x.device) or seqlen
         idxs, scores_kept, candidates = [], [], []
         for row0 in range(0, seqlen, chunk):
             rows = slice(row0, min(row0 + chunk, seqlen))
             q = self.wq_b(qr[:, rows]).unflatten(-1, (self.n_heads, self.head_dim))
-            q = fake_quant_fp4(apply_rotary(q, freqs[rows]), *INDEXER_FP4)
+            q = fake_quant_fp4(apply_rotary(q, freqs[..., rows, :]), *INDEXER_FP4)
             weights = self.weights_proj(x[:, rows]) * self.weights_scale
-            chunk_idxs, chunk_scores, chunk_candidates = self._select(q, weights, index_k, state, rows, offset)
+            if self.numerics != "exact":
+                found = self._select(q, weights, index_k, state, rows, offset, positions[..., rows])
+            elif state.pad_offsets is not None:
+                found = self._select_per_row(
+                    q, weights, index_k, state, rows, offset, positions[..., rows],
+                    state.real_ends(seqlen), state.rank_ends(seqlen),
+                )
+            else:
+                rank_width = max(state.rank_ends(seqlen)) // self.ratio
+                found = self._select(q, weights, index_k, state, rows, offset, positions[..., rows], rank_width=rank_width)
+            chunk_idxs, chunk_scores, chunk_candidates = found
             idxs.append(chunk_idxs)
             if state.record_index_scores:
                 scores_kept.append(chunk_scores)
@@ -475,16 +831,70 @@ class DeepseekV41Indexer(nn.Module):
             state.index_scores[self.layer_id] = scores_kept[0] if len(scores_kept) == 1 else torch.cat(scores_kept, dim=1)
         return idxs[0] if len(idxs) == 1 else torch.cat(idxs, dim=1)
 
-    def _candidate_mask(self, state: DeepseekV41AttentionState, rows: slice, width: int) -> torch.Tensor:
+    def _candidate_mask(self, state: DeepseekV41AttentionState, rows: slice, width: int, batch: slice) -> torch.Tensor:
         """The candidate source's kept positions for the queries `rows`, bool ``[B, rows, width]``."""
         if state.candidates is not None:
-            return state.candidates[:, rows, :width]
+            return state.candidates[batch, rows, :width]
         if state.candidate_blocks is not None:
-            return candidate_mask_from_blocks(state.candidate_blocks[:, rows], width, self.candidate_block_size)
+            return candidate_mask_from_blocks(state.candidate_blocks[batch, rows], width, self.candidate_block_size)
         raise DeepseekV41AttentionError(f"layer {self.layer_id} uses candidates but none were published")
 
-    def _select(self, q, weights, index_k, state: DeepseekV41AttentionState, rows: slice, offset: int):
+    def _select_per_row(
+        self,
+        q,
+        weights,
+        index_k,
+        state: DeepseekV41AttentionState,
+        rows: slice,
+        offset: int,
+        positions,
+        ends: list[int],
+        rank_ends: list[int],
+    ):
+        """:meth:`_select` one batch row at a time over exactly that row's compressed positions (exact
+        numerics with left padding): `torch.topk`'s choice among tied scores depends on the width
+        it ranks, so a row ranks what it would rank alone. `ends` are the rows' real lengths so far,
+        `rank_ends` the lengths whose widths they rank (:meth:`DeepseekV41AttentionState.rank_ends`).
+        Outputs padded to the batch's widths."""
+        n_keys = max(index_k.size(1), max(rank_ends) // self.ratio)
+        k = min(self.index_topk, n_keys)
+        idxs, scores, candidates = [], [], []
+        for b in range(q.size(0)):
+            width = ends[b] // self.ratio
+            row = slice(b, b + 1)
+            got_idxs, got_scores, got_cand = self._select(
+                q[row], weights[row], index_k[row, :width], state, rows, offset,
+                positions[row] if positions.dim() == 2 else positions, batch=row,
+                rank_width=rank_ends[b] // self.ratio,
+            )
+            idxs.append(F.pad(got_idxs, (0, k - got_idxs.size(-1)), value=-1))
+            if got_scores is not None:
+                scores.append(F.pad(got_scores, (0, n_keys - got_scores.size(-1)), value=-torch.inf))
+            if got_cand is not None:
+                candidates.append(F.pad(got_cand, (0, n_keys - got_cand.size(-1)), value=False))
+        return (
+            torch.cat(idxs),
+            torch.cat(scores) if scores else None,
+            torch.cat(candidates) if candidates else None,
+        )
+
+    def _select(
+        self,
+        q,
+        weights,
+        index_k,
+        state: DeepseekV41AttentionState,
+        rows: slice,
+        offset: int,
+        positions: torch.Tensor,
+        batch: slice = slice(None),
+        rank_width: int = 0,
+    ):
         """Scores, masks and top-k for the queries `rows` of this forward (all of them in exact mode).
+
+        positions: the queries' positions ``[n]`` or ``[B, n]``; `batch` selects the batch rows of
+        the forward's candidates that q holds; `rank_width` (exact numerics): rank at least this
+        many positions, the ones past the keys at -inf (the width one prefill would rank).
 
         Returns (int32 indices ``[B, rows, k]``, bf16 masked scores ``[B, rows, T]`` (only when
         recorded, else None), this chunk's candidates: exact mode a bool mask ``[B, rows, T]``, fast
@@ -493,24 +903,29 @@ class DeepseekV41Indexer(nn.Module):
         start_pos, ratio = state.start_pos, self.ratio
         n_keys = index_k.size(1)
         k = min(self.index_topk, n_keys)
-        if start_pos == 0 and self.numerics != "exact":
+        if self.numerics != "exact":
             # positions past the chunk's last visible one are -inf for every query of the chunk:
             # leave them out (exact mode keeps the reference's full-width shapes)
-            n_keys = min(n_keys, rows.stop // ratio)
+            n_keys = min(n_keys, max(0, start_pos + rows.stop - state.min_pad()) // ratio)
         bsz, n_rows = q.size(0), q.size(1)
 
-        if start_pos == 0:
-            # query t sees compressed position j once its group is complete: j < (t + 1) // ratio
-            compress_lens = (torch.arange(rows.start + 1, rows.stop + 1, device=q.device) // ratio).unsqueeze(-1)
+        # query t sees compressed position j once its group is complete: j < (t + 1) // ratio
+        one_step = start_pos > 0 and n_rows == 1 and state.pad_offsets is None
+        if one_step:
+            compress_lens = (start_pos + 1) // ratio  # one decode query: every stored position
         else:
-            compress_lens = (start_pos + 1) // ratio  # one decode query
+            compress_lens = ((positions + 1).clamp_min(0) // ratio).unsqueeze(-1)
         if n_keys == 0:  # no query of this chunk sees any compressed position yet
             scores = q.new_empty(bsz, n_rows, 0)
         else:
             scores = torch.einsum("bshd,btd->bsht", q, index_k[:, :n_keys])
             scores = (scores.relu_() * weights.unsqueeze(-1)).sum(dim=2)
-            if start_pos == 0:
+            if not one_step:
                 scores.masked_fill_(torch.arange(n_keys, device=q.device) >= compress_lens, -torch.inf)
+        if rank_width > n_keys and self.numerics == "exact":
+            scores = F.pad(scores, (0, rank_width - n_keys), value=-torch.inf)
+            n_keys = rank_width
+            k = min(self.index_topk, n_keys)
 
         candidates = None
         if self.is_candidate_source:
@@ -527,7 +942,7 @@ class DeepseekV41Indexer(nn.Module):
                 id_dtype = torch.int16 if n_blocks <= torch.iinfo(torch.int16).max else torch.int32
                 candidates = F.pad(candidates, (0, n_kept - candidates.size(-1)), value=-1).to(id_dtype)
         elif self.uses_candidates:
-            scores = scores.masked_fill(~self._candidate_mask(state, rows, n_keys), -torch.inf)
+            scores = scores.masked_fill(~self._candidate_mask(state, rows, n_keys, batch), -torch.inf)
 
         picked = scores.topk(min(k, n_keys), dim=-1, sorted=False).indices.sort(dim=-1).values
         idxs = torch.where(picked < compress_lens, picked + offset, -1).int()
@@ -604,42 +1019,52 @@ class DeepseekV41Attention(nn.Module):
 
     # -- window KV ----------------------------------------------------------------------------
     def _window_kv(self, x, freqs, state: DeepseekV41AttentionState):
+        """This forward's window KV rows and each query's rows in them.
+
+        Prefill: the chunk's rows. A prefill chunk after position 0: the ring (the last `window`
+        positions before it) followed by the chunk's rows. Decode: the ring, after writing the
+        step's row into it. The ring always ends up holding the last `window` positions.
+        """
         bsz, seqlen, _ = x.shape
         start_pos, win = state.start_pos, self.window
         kv = fake_quant_fp8(apply_rotary(self.kv_norm(self.wkv(x)), freqs))
         layer_cache = state.cache.layer(self.layer_id)
-        if start_pos == 0:
-            ring = kv.new_zeros(bsz, win, self.head_dim)
-            keep = min(seqlen, win)
-            slots = torch.arange(seqlen - keep, seqlen, device=x.device) % win
-            ring[:, slots] = kv[:, seqlen - keep :]
-            layer_cache.window_kv = ring
-            window_kv = kv
-        else:
-            if layer_cache.window_kv is None:
-                raise DeepseekV41AttentionError("decode step before any prefill: the window cache is empty")
+        if start_pos > 0 and layer_cache.window_kv is None:
+            raise DeepseekV41AttentionError("a forward after position 0 before any prefill: the window cache is empty")
+        if start_pos > 0 and seqlen == 1:
             layer_cache.window_kv[:, start_pos % win] = kv.squeeze(1)
-            window_kv = layer_cache.window_kv
-        return window_kv, window_topk_idxs(win, bsz, seqlen, start_pos, x.device)
+            idxs = decode_window_idxs(win, bsz, start_pos, state.pad_offsets, x.device)
+            return layer_cache.window_kv, idxs
+        if start_pos == 0:
+            window_kv = kv
+            layer_cache.window_kv = kv.new_zeros(bsz, win, self.head_dim)
+        else:
+            window_kv = torch.cat([layer_cache.window_kv, kv], dim=1)  # a copy: the ring can be updated
+        keep = min(seqlen, win)
+        slots = torch.arange(start_pos + seqlen - keep, start_pos + seqlen, device=x.device) % win
+        layer_cache.window_kv[:, slots] = kv[:, seqlen - keep :]
+        span = state.window_span(seqlen) if self.numerics == "exact" else None
+        return window_kv, chunk_window_idxs(win, bsz, seqlen, start_pos, state.pad_offsets, x.device, span)
 
     # -- compressed KV ------------------------------------------------------------------------
     def _compressed_kv(self, x, qr, freqs, state: DeepseekV41AttentionState, offset: int):
         bsz, seqlen, _ = x.shape
         start_pos, ratio = state.start_pos, self.ratio
-        compress_len = (start_pos + seqlen) // ratio
-        latent = None
-        latent_freqs = None
+        compress_len = state.max_real_end(seqlen) // ratio
+        latents = latent_freqs = None
         if self.is_kv_source:
-            latent = self.compressor(x, start_pos, state.cache.layer(self.layer_id))
-            if latent is not None:
-                latent_freqs = self.rotary(_latent_positions(start_pos, seqlen, ratio, x.device))
+            latents = self.compressor(x, start_pos, state.cache.layer(self.layer_id), state.pad_offsets)
+            if latents is not None:
+                latent_freqs = self.rotary(latents.groups * ratio)  # each latent at its group's first token
                 # index keys come from the latent before RoPE
                 if self.indexer is not None and self.indexer.owns_k and compress_len > 0:
-                    self.indexer.publish_keys(latent, latent_freqs, start_pos, state)
+                    self.indexer.publish_keys(latents, latent_freqs, state)
 
         if self.is_index_source:
             if compress_len == 0:
-                idxs = torch.empty(bsz, seqlen, 0, dtype=torch.int32, device=x.device)
+                # nothing to rank yet; exact numerics keep the width one prefill would have
+                width = min(self.indexer.index_topk, max(state.rank_ends(seqlen)) // ratio) if self.numerics == "exact" else 0
+                idxs = torch.full((bsz, seqlen, width), -1, dtype=torch.int32, device=x.device)
             else:
                 idxs = self.indexer(x, qr, freqs, state, offset)
             state.topk_idxs[self.layer_id] = idxs
@@ -650,13 +1075,10 @@ class DeepseekV41Attention(nn.Module):
                 )
             idxs = state.topk_idxs[self.index_source]
 
-        if latent is not None:
-            latent = fake_quant_fp4(apply_rotary(latent, latent_freqs), *COMPRESSED_KV_FP4)
+        if latents is not None:
+            latent = fake_quant_fp4(apply_rotary(latents.values, latent_freqs), *COMPRESSED_KV_FP4)
             layer_cache = state.cache.layer(self.layer_id)
-            if start_pos == 0:
-                layer_cache.compressed_kv = _RowBuffer(latent)
-            else:
-                layer_cache.compressed_kv.write(start_pos // ratio, latent)
+            layer_cache.compressed_kv = latents.store(layer_cache.compressed_kv, latent, fresh=start_pos == 0)
         source = state.cache.layer(self.kv_source).compressed_kv
         if source is None:
             if compress_len:
@@ -669,21 +1091,18 @@ class DeepseekV41Attention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, state: DeepseekV41AttentionState) -> torch.Tensor:
         """hidden_states: bf16 ``[B, S, dim]`` (the attn_norm output) -> bf16 ``[B, S, dim]``.
 
-        `state.start_pos` = 0 is a prefill of S tokens; otherwise S must be 1 (a decode step after
-        a prefill through the same `state.cache`).
+        `state.start_pos` = 0 starts a sequence (a prefill of S tokens); after it, a forward of
+        S = 1 token is a decode step and of S > 1 tokens a prefill chunk, both through the same
+        `state.cache`. With `state.pad_offsets` the rows are left-padded (see the module doc).
 
         Raises:
-            DeepseekV41AttentionError: S > 1 after position 0, decode without a prefill, or a layer
-                run before the layers it reads from.
+            DeepseekV41AttentionError: a forward after position 0 without a prefill, or a layer run
+                before the layers it reads from.
         """
         bsz, seqlen, _ = hidden_states.shape
-        start_pos = state.start_pos
-        if start_pos > 0 and seqlen != 1:
-            raise DeepseekV41AttentionError(
-                f"only a prefill at position 0 or one-token decode steps are supported, got {seqlen} tokens at {start_pos}"
-            )
         x = hidden_states
-        freqs = self.rotary(torch.arange(start_pos, start_pos + seqlen, device=x.device))
+        positions = state.positions(seqlen, x.device)
+        freqs = self.rotary(positions.clamp_min(0))  # [S, rd/2], or per row [B, S, rd/2]
         qr = self.q_norm(self.wq_a(x))
 
         kv, idxs = self._window_kv(x, freqs, state)
@@ -695,7 +1114,7 @@ class DeepseekV41Attention(nn.Module):
         # fast: the query path in chunks, so q and o ([B, S, H, D] each) exist one chunk at a time
         chunk = _query_chunk(self.numerics, bsz * self.n_heads * self.head_dim, x.device) or seqlen
         outs = [
-            self._attend(qr[:, r : r + chunk], freqs[r : r + chunk], kv, idxs[:, r : r + chunk])
+            self._attend(qr[:, r : r + chunk], freqs[..., r : r + chunk, :], kv, idxs[:, r : r + chunk])
             for r in range(0, seqlen, chunk)
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -733,6 +1152,9 @@ __all__ = [
     "DeepseekV41RMSNorm",
     "candidate_block_ids",
     "candidate_mask_from_blocks",
+    "chunk_window_idxs",
+    "decode_window_idxs",
+    "left_padding_offsets",
     "select_candidate_blocks",
     "sparse_attention",
     "window_topk_idxs",

@@ -12,7 +12,9 @@ lives here, per sequence batch:
   number of positions seen, and the Engram hash history (the last ``max_ngram_size - 1``
   compressed ids per row, DEAD after image positions).
 
-Only a prefill at position 0 followed by one-token steps is supported, like the reference.
+Besides the reference's prefill at position 0 followed by one-token steps, a prefill may come in
+chunks (forwards of several tokens on a non-empty cache) and batches may be left-padded (the rows'
+pad counts are kept in ``attention.pad_offsets``); see `attention_deepseek_v41_vl.py`.
 """
 
 from __future__ import annotations
@@ -128,6 +130,9 @@ class DeepseekV41Cache(Cache):
     def reset(self) -> None:
         super().reset()
         self.attention.index_k_publisher = None
+        self.attention.index_k_publisher_rows = None
+        self.attention.pad_offsets = None
+        self.attention.prefill_length = None
         self.engram_history = None
         self._seen_tokens = 0
         self.attention.seen_tokens = 0
@@ -135,6 +140,9 @@ class DeepseekV41Cache(Cache):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         self.engram_history = _select_rows(self.engram_history, indices)
+        # per batch row attention state (left padding)
+        self.attention.pad_offsets = _select_rows(self.attention.pad_offsets, indices)
+        self.attention.index_k_publisher_rows = _select_rows(self.attention.index_k_publisher_rows, indices)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -143,6 +151,10 @@ class DeepseekV41Cache(Cache):
         super().batch_repeat_interleave(repeats)
         if self.engram_history is not None:
             self.engram_history = self.engram_history.repeat_interleave(repeats, dim=0)
+        for name in ("pad_offsets", "index_k_publisher_rows"):
+            rows = getattr(self.attention, name)
+            if rows is not None:
+                setattr(self.attention, name, rows.repeat_interleave(repeats, dim=0))
 
     def crop(self, tokens_to_remove: int) -> None:
         raise DeepseekV41CacheError(

@@ -30,7 +30,6 @@ import copy
 import functools
 import importlib
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -406,6 +405,9 @@ class DeepseekV41Transformer(nn.Module):
         chunked prefill: compute :meth:`get_image_span_embeddings` once and pass each chunk the
         rows of the span positions it holds as `image_span_embeds` (with `mm_token_type_ids` of
         the chunk), so a span may be split between chunks; `pixel_values` only prefill at 0.
+        Setting ``cache.attention.prefill_length`` to the prompt length before the first chunk
+        makes exact numerics rank the indexer like one prefill (bitwise the same logits; see
+        `DeepseekV41AttentionCache`).
 
         Args:
             input_ids: int64 ``[B, S]``; image-span positions carry `image_token_id`.
@@ -880,15 +882,6 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
                 f"the cache must be a DeepseekV41Cache, got {type(cache).__name__} (the model keeps a window ring, "
                 "compressor state and Engram history that a key/value cache cannot hold)"
             )
-        prefill = cache is None or cache.get_seq_length() == 0
-        if prefill and attention_mask is not None and bool((attention_mask == 0).any()):
-            # Padded positions are run like tokens (the reference has no padding); padded rows are
-            # valid but not equal to their unpadded runs. Unpadded rows are unaffected.
-            warnings.warn(
-                "DeepseekV41: attention_mask has padding; padded positions are processed as tokens, so padded rows "
-                "do not reproduce their unpadded outputs exactly (unpadded rows of the batch do)",
-                stacklevel=3,
-            )
         use_cache = self.config.text_config.use_cache if use_cache is None else use_cache
         if cache is None and use_cache:
             cache = DeepseekV41Cache(self.config)
@@ -899,6 +892,7 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
             mm_token_type_ids = None
         return self.model(
             input_ids,
+            attention_mask=attention_mask,
             mm_token_type_ids=mm_token_type_ids,
             pixel_values=pixel_values,
             image_grid_thw=image_grid_thw,

@@ -315,8 +315,9 @@ def test_decode_needs_one_token_per_step_and_no_late_images(golden):
     ids = tensors["input_ids"][:, :8]
     with torch.no_grad():
         model(ids, cache=cache)
-        with pytest.raises(ValueError, match="one-token decode"):
-            model(ids[:, :2], cache=cache)
+        # a multi-token call on a filled cache is a prefill chunk; its mask must be left padding
+        with pytest.raises(ValueError, match="left padding"):
+            model(tensors["input_ids"][:, 8:10], cache=cache, attention_mask=torch.tensor([[1] * 9 + [0]]))
         with pytest.raises(DeepseekV41ModelError, match="position 0"):
             model(**inputs, cache=cache)
     with pytest.raises(DeepseekV41CacheError):
