@@ -29,6 +29,7 @@ import contextlib
 import copy
 import functools
 import importlib
+import json
 import os
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -41,6 +42,8 @@ from transformers import initialization as init
 from transformers.generation.logits_process import SuppressTokensLogitsProcessor
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import ModelOutput
+
+from ..conversion.load_time import convert_state_dict
 
 from .attention_deepseek_v41_vl import (
     DeepseekV41Attention,
@@ -708,6 +711,21 @@ def _offloaded_layers_load_whole(module_classes: list[str]) -> Iterator[None]:
         hf_accelerate.dispatch_model = original
 
 
+def _official_layout_index(path) -> dict[str, str] | None:
+    """The weight map of a local ``convert --link`` folder (its index ``metadata.layout`` is
+    ``"official"``), else None (a converted folder, a single file, a Hub id)."""
+    if path is None or not os.path.isdir(str(path)):
+        return None
+    index = os.path.join(str(path), "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return None
+    with open(index, encoding="utf-8") as f:
+        data = json.load(f)
+    if (data.get("metadata") or {}).get("layout") != "official":
+        return None
+    return data["weight_map"]
+
+
 class DeepseekV41PreTrainedModel(PreTrainedModel):
     """Base class: config class, weight init, loading rules and device-map constraints.
 
@@ -748,16 +766,78 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
     def from_pretrained(cls, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`; ``dtype`` "auto" (the default) means bfloat16, the
         compute dtype. It never changes a stored tensor: every parameter keeps its module dtype.
-        ``numerics="exact"`` sets `config.text_config.numerics` (bitwise the reference on CPU)."""
+        ``numerics="exact"`` sets `config.text_config.numerics` (bitwise the reference on CPU).
+        A local ``convert --link`` folder (index ``metadata.layout == "official"``) is then filled
+        through the load-time transform (:meth:`_load_official_layout`).
+
+        Raises:
+            DeepseekV41ModelError: a ``--link`` folder with a `device_map` other than None / "cpu".
+        """
         if kwargs.get("dtype", kwargs.get("torch_dtype")) in (None, "auto"):
             kwargs.pop("torch_dtype", None)
             kwargs["dtype"] = torch.bfloat16
+        path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        official = _official_layout_index(path)
+        if official is not None and kwargs.get("device_map") not in (None, "cpu"):
+            raise DeepseekV41ModelError(
+                f"{path} is a --link folder (official tensor layout); it loads on CPU only, without a "
+                f"device_map (got {kwargs['device_map']!r}): convert without --link to use a device_map"
+            )
         with _offloaded_layers_load_whole(list(cls._no_split_modules)):
             model = super().from_pretrained(*args, **kwargs)
         # a folder without generation_config.json gets a fresh one from the config
         model_or_first = model[0] if isinstance(model, tuple) else model
+        if official is not None:
+            model_or_first._load_official_layout(path, official)
         model_or_first._suppress_image_token()
         return model
+
+    @torch.no_grad()
+    def _load_official_layout(self, folder, weight_map: dict[str, str]) -> None:
+        """Fill every tensor of a ``--link`` folder (official names in the linked source shards) with
+        `conversion/load_time.convert_state_dict` under this model's config, then
+        ``load_state_dict(strict=True)``. `PreTrainedModel.from_pretrained` cannot do it: it would
+        value-cast the fp8 ``wo_a`` weights (dequantized with their scales by the converter) and
+        leave their scales unexpected; everything it loaded is overwritten here.
+
+        Raises:
+            DeepseekV41ModelError: a missing or unexpected tensor after the transform.
+        """
+        from safetensors import safe_open
+
+        handles = {}
+        try:
+            for file in sorted(set(weight_map.values())):
+                handles[file] = safe_open(os.path.join(folder, file), framework="pt")
+
+            def get_tensor(name: str) -> torch.Tensor:
+                return handles[weight_map[name]].get_tensor(name)
+
+            official = [name for name in weight_map if not name.startswith(f"{self.base_model_prefix}.")]
+            state = dict(convert_state_dict(official, get_tensor, self.config))
+            # the converter's own entries (the Engram token map) already carry the model name
+            state.update({name: get_tensor(name) for name in weight_map if name not in official})
+        finally:
+            handles.clear()
+        expected = self.state_dict()
+        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise DeepseekV41ModelError(
+                f"{folder}: the official-layout weights do not fit the model: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
+            )
+        for name, tensor in state.items():
+            target = expected[name]
+            if target.dtype != tensor.dtype or target.shape != tensor.shape:
+                raise DeepseekV41ModelError(
+                    f"{folder}: {name} is {tensor.dtype} {tuple(tensor.shape)} after the transform, the model "
+                    f"holds {target.dtype} {tuple(target.shape)}"
+                )
+            # byte copy: copy_ has no kernel for the 1-byte float formats (packed fp4, e8m0)
+            if target.element_size() == 1:
+                target.view(torch.uint8).copy_(tensor.view(torch.uint8))
+            else:
+                target.copy_(tensor)
 
     def _suppress_image_token(self) -> None:
         generation_config = getattr(self, "generation_config", None)
