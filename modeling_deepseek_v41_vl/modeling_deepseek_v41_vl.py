@@ -1023,9 +1023,9 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41PreTrainedModel, Generation
     extended with zeros by `generate` and the new positions are text. The image token id is never
     generated (it is suppressed in logits processing).
 
-    Padding: batches are left-padded by the processor; padded positions run as tokens (the
-    reference has no padding), so a padded row's output is valid but not the one it would have
-    alone; unpadded rows are exact.
+    Padding: batches are left-padded by the processor and `attention_mask` reaches the backbone,
+    where positions, the window, the compressors' groups and the Engram look-back count from each
+    row's first real token, so a padded row computes what it computes alone.
     """
 
     def __init__(self, config: DeepseekV41Config):
