@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention_deepseek_v41_vl import DeepseekV41RMSNorm
 from ..triton_ops.vision_rope import apply_vision_rope, resolve_backend
 from .configuration_deepseek_v41_vl import DeepseekV41ConfigError, DeepseekV41VisionConfig
 
@@ -147,22 +148,15 @@ class DeepseekV41VisionRotaryEmbedding(nn.Module):
         return vision_rope_tables(n_h, n_w, self.rope_dim, self.theta, torch.device(device))
 
 
-class DeepseekV41VisionRMSNorm(nn.Module):
-    """RMSNorm with an fp32 weight, computed in fp32, returned in the input dtype.
+class DeepseekV41VisionRMSNorm(DeepseekV41RMSNorm):
+    """The LLM's RMSNorm (fp32 compute, cast back) with the vision tower's fp32 weight and eps.
 
     Mirrors `inference/vision.py: RMSNorm` (eps `config.rms_norm_eps`, 1e-6).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
+        super().__init__(hidden_size, eps)
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32))
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        dtype = hidden_states.dtype
-        x = hidden_states.float()
-        x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x).to(dtype)
 
 
 class DeepseekV41VisionPatchEmbed(nn.Module):
