@@ -35,3 +35,16 @@ def golden_dir() -> Path:
 @pytest.fixture(scope="session")
 def golden() -> Path:
     return golden_dir()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a test module, restored afterwards.
+
+    The golden fixtures were made with one thread (two give the same bits); the tiny models' ops
+    gain nothing from more, and on a loaded 2-core runner OpenMP spinning slows them several-fold.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

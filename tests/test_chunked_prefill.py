@@ -58,12 +58,8 @@ VL_PLANS = {
 TEXT_PLANS = {"8_16": [0, 8, 24], "4_8_12": [0, 4, 12, 24]}  # batch 2: 8, 16, 24 rows per chunk
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# one torch thread, as the golden fixtures were made (see conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def prefill_in_chunks(model, inputs: dict, bounds: list[int], prompt_length_known: bool, capture: bool = False):

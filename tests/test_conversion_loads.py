@@ -36,13 +36,8 @@ MAX_LOGITS_REL_L2 = 0.1
 MIN_ARGMAX_AGREEMENT = 0.90
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # the golden fixtures were made with one thread
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# one torch thread, as the golden fixtures were made (see conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

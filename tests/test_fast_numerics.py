@@ -63,12 +63,8 @@ def fast_golden_model(golden: Path, variant: str) -> DeepseekV41Transformer:
     return _FAST_MODELS[variant]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# one torch thread, as the golden fixtures were made (see conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:

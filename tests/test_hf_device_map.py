@@ -27,12 +27,8 @@ from deepseek_v41_vl.conversion.convert import convert_checkpoint
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# one torch thread, as the golden fixtures were made (see conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_cpu_disk_split_keeps_layers_whole_and_gives_the_same_logits(golden, tmp_path):

@@ -45,13 +45,8 @@ from transformers.generation.streamers import BaseStreamer
 N_NEW = 13  # the golden runs: the prefill token + 12 decode steps
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # the golden fixtures were made with one thread; tiny ops gain nothing from more
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# one torch thread, as the golden fixtures were made (see conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -44,12 +44,8 @@ ARGMAX_AGREEMENT = 0.9
 PAD_ID = 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# one torch thread, as the golden fixtures were made (see conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def left_pad(rows: list[torch.Tensor], pad_id: int = PAD_ID) -> tuple[torch.Tensor, torch.Tensor]:

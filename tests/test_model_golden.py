@@ -87,14 +87,8 @@ def load_golden_model(folder: Path) -> DeepseekV41Transformer:
     return model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The fixtures were made with one thread (two give the same bits); these tiny ops gain nothing
-    # from intra-op threads, and on a loaded 2-core runner OpenMP spinning slows them several-fold.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+# one torch thread, as the golden fixtures were made (see conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 _MODELS: dict[str, DeepseekV41Transformer] = {}
