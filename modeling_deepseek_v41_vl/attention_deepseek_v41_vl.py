@@ -1018,16 +1018,23 @@ class DeepseekV41Attention(nn.Module):
         self.attention_backend: str | None = getattr(config, "attention_backend", None)
 
     # -- window KV ----------------------------------------------------------------------------
-    def _window_kv(self, x, freqs, state: DeepseekV41AttentionState):
+    def window_kv_rows(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """This forward's window KV rows: ``wkv`` -> ``kv_norm`` -> RoPE -> fp8 fake-quant, bf16
+        ``[B, S, head_dim]``."""
+        return fake_quant_fp8(apply_rotary(self.kv_norm(self.wkv(x)), freqs))
+
+    def _window_kv(self, x, freqs, state: DeepseekV41AttentionState, kv: torch.Tensor | None = None):
         """This forward's window KV rows and each query's rows in them.
 
         Prefill: the chunk's rows. A prefill chunk after position 0: the ring (the last `window`
         positions before it) followed by the chunk's rows. Decode: the ring, after writing the
         step's row into it. The ring always ends up holding the last `window` positions.
+        `kv`: the rows of :meth:`window_kv_rows` when the caller already has them.
         """
         bsz, seqlen, _ = x.shape
         start_pos, win = state.start_pos, self.window
-        kv = fake_quant_fp8(apply_rotary(self.kv_norm(self.wkv(x)), freqs))
+        if kv is None:
+            kv = self.window_kv_rows(x, freqs)
         layer_cache = state.cache.layer(self.layer_id)
         if start_pos > 0 and layer_cache.window_kv is None:
             raise DeepseekV41AttentionError("a forward after position 0 before any prefill: the window cache is empty")
@@ -1125,14 +1132,24 @@ class DeepseekV41Attention(nn.Module):
         qr ``[B, n, q_lora]``, freqs their rotation, kv ``[B, N, D]``, idxs int32 ``[B, n, K]``
         -> bf16 ``[B, n, dim]``.
         """
-        bsz, n_rows, _ = qr.shape
-        q = apply_rotary(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), freqs)
+        return self.output(self._sparse(self.queries(qr, freqs), kv, idxs), freqs)
+
+    def queries(self, qr: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """``wq_b`` and RoPE of the last `rope_dim` dims: qr ``[B, n, q_lora]`` -> bf16 ``[B, n, H, D]``."""
+        return apply_rotary(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), freqs)
+
+    def _sparse(self, q: torch.Tensor, kv: torch.Tensor, idxs: torch.Tensor) -> torch.Tensor:
         if self.numerics == "exact":
             backend, chunk = "torch", None  # the reference's op sequence and shapes
         else:
             backend = self.attention_backend or "auto"
-            chunk = _query_chunk(self.numerics, bsz * SPARSE_ATTN_BLOCK * (self.head_dim + self.n_heads), q.device)
-        o = sparse_attention_op(q, kv, idxs, self.attn_sink, self.softmax_scale, backend=backend, query_chunk=chunk)
+            chunk = _query_chunk(self.numerics, q.size(0) * SPARSE_ATTN_BLOCK * (self.head_dim + self.n_heads), q.device)
+        return sparse_attention_op(q, kv, idxs, self.attn_sink, self.softmax_scale, backend=backend, query_chunk=chunk)
+
+    def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """Inverse RoPE, the grouped ``wo_a`` (bf16 einsum) and ``wo_b``: o bf16 ``[B, n, H, D]`` ->
+        bf16 ``[B, n, dim]``."""
+        bsz, n_rows = o.shape[:2]
         o = apply_rotary(o, freqs, inverse=True)
         # heads g*H/G .. (g+1)*H/G-1 form group g; each group has its own o_lora_rank slice of wo_a
         o = o.view(bsz, n_rows, self.n_groups, -1)
@@ -1140,6 +1157,43 @@ class DeepseekV41Attention(nn.Module):
         o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
         return self.wo_b(o.flatten(2))
 
+    # -- one-token decode in three parts (the outer two have fixed shapes: CUDA-graph safe) ----
+    def decode_freqs(self, state: DeepseekV41AttentionState, device: torch.device) -> torch.Tensor:
+        """The RoPE table of a one-token step at `state.start_pos`: complex64 ``[1, rd/2]`` or
+        ``[B, 1, rd/2]`` with left padding."""
+        return self.rotary(state.positions(1, device).clamp_min(0))
+
+    def decode_project(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's projections, which depend on nothing cached: x bf16 ``[B, 1, dim]`` ->
+        ``(qr [B, 1, q_lora], kv_row [B, 1, head_dim], q [B, 1, H, head_dim])``."""
+        qr = self.q_norm(self.wq_a(x))
+        return qr, self.window_kv_rows(x, freqs), self.queries(qr, freqs)
+
+    def decode_attend(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        kv_row: torch.Tensor,
+        q: torch.Tensor,
+        freqs: torch.Tensor,
+        state: DeepseekV41AttentionState,
+    ) -> torch.Tensor:
+        """The cache-dependent middle of a one-token step (its shapes grow with the sequence):
+        ring write, compressor, indexer, index lists, sparse attention. Returns o bf16
+        ``[B, 1, H, head_dim]`` (before :meth:`output`). The three parts together equal
+        :meth:`forward` on a one-token step.
+
+        Raises:
+            DeepseekV41AttentionError: not a one-token step after a prefill.
+        """
+        if x.size(1) != 1 or state.start_pos == 0:
+            raise DeepseekV41AttentionError(f"decode_attend takes one token after a prefill, got {x.size(1)} at {state.start_pos}")
+        kv, idxs = self._window_kv(x, freqs, state, kv=kv_row)
+        if self.ratio:
+            compressed, compressed_idxs = self._compressed_kv(x, qr, freqs, state, kv.size(1))
+            kv = torch.cat([kv, compressed], dim=1)
+            idxs = torch.cat([idxs, compressed_idxs], dim=-1)
+        return self._sparse(q, kv, idxs)
 
 __all__ = [
     "DeepseekV41Attention",

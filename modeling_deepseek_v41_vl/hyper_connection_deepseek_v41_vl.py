@@ -7,6 +7,11 @@ The learned parameters (`hc_attn_fn`, `hc_attn_base`, `hc_attn_scale` and the `h
 stored directly on the decoder block in the checkpoint (`layers.{i}.hc_attn_fn`), so
 :class:`DeepseekV41HyperConnection` holds none: the block owns them and passes them in. This keeps
 `load_state_dict(strict=True)` a plain load of the checkpoint names.
+
+Numerics: exact (the default) runs the split + Sinkhorn as the torch ops below, bit-identical to
+the reference on CPU. Fast runs it as one Triton launch (`triton_ops/hc_sinkhorn.py`) where the
+backend resolves to Triton (CUDA tensors, or ``DEEPSEEK_V41_HC_SINKHORN_BACKEND=triton``): the
+same op order, within a few fp32 ulps (only ``exp`` differs), instead of ~90 small launches.
 """
 
 from __future__ import annotations
@@ -14,6 +19,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..triton_ops.hc_sinkhorn import hc_split_sinkhorn_triton
+from ..triton_ops.hc_sinkhorn import resolve_backend as resolve_sinkhorn_backend
+
+# None: not configured, which computes like "exact"
+HC_NUMERICS = (None, "exact", "fast")
 
 
 class DeepseekV41HyperConnectionError(ValueError):
@@ -109,14 +120,26 @@ class DeepseekV41HyperConnection(nn.Module):
         sinkhorn_iters (`int`): `hc_sinkhorn_iters`.
         hc_eps (`float`): `hc_eps` (Sinkhorn and `pre`).
         norm_eps (`float`): `rms_norm_eps`, inside the rsqrt of :meth:`mixes`.
+        numerics (`str`, *optional*): ``"fast"`` lets :meth:`mixes` run the Sinkhorn as one Triton
+            kernel where the backend resolves to Triton; ``"exact"`` or None (the default: the
+            owner did not say) keep the torch ops. Read at each call, so assigning
+            ``module.numerics`` switches it, like `DeepseekV41Linear.numerics`.
+
+    Raises:
+        DeepseekV41HyperConnectionError: `numerics` is not None, ``"exact"`` or ``"fast"``.
     """
 
-    def __init__(self, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    def __init__(
+        self, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float, numerics: str | None = None
+    ):
         super().__init__()
+        if numerics not in HC_NUMERICS:
+            raise DeepseekV41HyperConnectionError(f"numerics must be one of {HC_NUMERICS}, got {numerics!r}")
         self.hc_mult = hc_mult
         self.sinkhorn_iters = sinkhorn_iters
         self.hc_eps = hc_eps
         self.norm_eps = norm_eps
+        self.numerics = numerics
 
     def _check_stream(self, x: torch.Tensor, name: str) -> None:
         if x.dim() != 4 or x.size(2) != self.hc_mult:
@@ -138,6 +161,8 @@ class DeepseekV41HyperConnection(nn.Module):
 
         Raises:
             DeepseekV41HyperConnectionError: `x` is not `[B, S, N, D]` or `fn` does not match it.
+            HcSinkhornError: (fast numerics) an unknown ``DEEPSEEK_V41_HC_SINKHORN_BACKEND``, or
+                ``triton`` forced where the kernel cannot run.
         """
         self._check_stream(x, "x")
         if fn.shape != ((2 + self.hc_mult) * self.hc_mult, self.hc_mult * x.size(-1)):
@@ -148,6 +173,8 @@ class DeepseekV41HyperConnection(nn.Module):
         # one RMS statistic over all N*D values of a token, applied after the projection, no weight
         rsqrt = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
         m = F.linear(flat, fn) * rsqrt
+        if self.numerics == "fast" and resolve_sinkhorn_backend(None, m.device) == "triton":
+            return hc_split_sinkhorn_triton(m, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps)
         return hc_split_sinkhorn(m, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps)
 
     def pre(self, x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
@@ -177,7 +204,10 @@ class DeepseekV41HyperConnection(nn.Module):
         return (post.unsqueeze(-1) * f.unsqueeze(-2) + mixed).type_as(f)
 
     def extra_repr(self) -> str:
-        return f"hc_mult={self.hc_mult}, sinkhorn_iters={self.sinkhorn_iters}, hc_eps={self.hc_eps}"
+        return (
+            f"hc_mult={self.hc_mult}, sinkhorn_iters={self.sinkhorn_iters}, hc_eps={self.hc_eps}, "
+            f"numerics={self.numerics}"
+        )
 
 
 def identity_pre_mix(x: torch.Tensor, hc_mult: int) -> torch.Tensor:

@@ -1,0 +1,109 @@
+"""The three-part one-token decode step (`DeepseekV41DecoderLayer.decode_step`) equals `block`.
+
+On CUDA the head and tail of a decode step are replayed from CUDA graphs; the split itself is
+device-independent, so on the CPU the parts run eagerly and must give `block`'s outputs and leave
+the same cache behind, bit for bit, for every layer kind (window-only, ratio-2 source, ratio-1
+candidate source, ratio-1 reuse) over several steps, in both numerics. The graph replay itself is
+tested in tests/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41AttentionError, DeepseekV41AttentionState
+from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
+from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import DeepseekV41DecoderLayer
+
+from conftest import REPO_ROOT
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+LAYER_IDS = (0, 2, 20, 21)  # window-only, ratio-2 source, ratio-1 candidate source, ratio-1 reuse
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench", REPO_ROOT / "benchmarks" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def _layers(numerics: str):
+    released = json.loads((REPO_ROOT / "configs" / "deepseek_v41_flash.json").read_text())
+    # the released layer schedule and storage dtypes at tiny widths (the benchmark's --quick shape)
+    released["text_config"].update(dict(
+        hidden_size=128, moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, num_attention_heads=4,
+        head_dim=64, qk_rope_head_dim=16, q_lora_rank=64, o_groups=2, o_lora_rank=32, sliding_window=8,
+        index_n_heads=2, index_head_dim=32, index_topk=4, candidate_topk_blocks=3, candidate_block_size=2,
+        numerics=numerics,
+    ))
+    text = DeepseekV41Config.from_dict(released).text_config
+    init = _bench()._init_layer
+    gen = torch.Generator().manual_seed(11)
+    layers = []
+    for layer_id in LAYER_IDS:
+        layer = DeepseekV41DecoderLayer(text, layer_id).eval()
+        init(layer, gen)
+        layers.append(layer)
+    return text, layers
+
+
+def _cache_tensors(cache) -> dict:
+    out = {}
+    for layer_id, lc in cache.layers.items():
+        for name in ("window_kv", "compressor_kv", "compressor_score"):
+            t = getattr(lc, name)
+            if t is not None:
+                out[f"{layer_id}.{name}"] = t
+        for name in ("compressed_kv", "index_k"):
+            buf = getattr(lc, name)
+            if buf is not None:
+                out[f"{layer_id}.{name}"] = buf.rows(buf.length)
+    return out
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+def test_decode_step_equals_block(numerics):
+    text, layers = _layers(numerics)
+    prefill, steps = 13, 6  # odd prefill: the ratio-2 groups complete on alternate steps
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, prefill + steps, text.hc_mult, text.hidden_size, generator=gen).to(torch.bfloat16)
+    pre = torch.softmax(torch.randn(1, prefill + steps, text.hc_mult, generator=gen), -1)
+    with torch.no_grad():
+        state = DeepseekV41AttentionState(start_pos=0)
+        for layer in layers:
+            layer.block(x[:, :prefill], pre[:, :prefill], state)
+        split_cache = copy.deepcopy(state.cache)
+        for t in range(prefill, prefill + steps):
+            whole = DeepseekV41AttentionState(start_pos=t, cache=state.cache)
+            split = DeepseekV41AttentionState(start_pos=t, cache=split_cache)
+            h_whole = h_split = x[:, t : t + 1]
+            m_whole = m_split = pre[:, t : t + 1]
+            for layer in layers:
+                h_whole, m_whole = layer.block(h_whole, m_whole, whole)
+                h_split, m_split = layer.decode_step(h_split, m_split, split)
+                assert torch.equal(h_whole, h_split), (t, layer.layer_idx)
+                assert torch.equal(m_whole, m_split), (t, layer.layer_idx)
+            assert whole.topk_idxs.keys() == split.topk_idxs.keys()
+            for k in whole.topk_idxs:
+                assert torch.equal(whole.topk_idxs[k], split.topk_idxs[k])
+    a, b = _cache_tensors(state.cache), _cache_tensors(split_cache)
+    assert a.keys() == b.keys() and len(a) >= 6
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_decode_attend_refuses_a_prefill():
+    text, layers = _layers("fast")
+    layer = layers[0]
+    x = torch.randn(1, 3, text.hidden_size).to(torch.bfloat16)
+    freqs = layer.attn.rotary(torch.arange(3))
+    with torch.no_grad(), pytest.raises(DeepseekV41AttentionError, match="one token after a prefill"):
+        qr, kv, q = layer.attn.decode_project(x, freqs)
+        layer.attn.decode_attend(x, qr, kv, q, freqs, DeepseekV41AttentionState(start_pos=0))
