@@ -19,12 +19,15 @@ smoke test). One run measures, in this order, each section guarded (a failure be
    ms/token of the whole layer (attention + MoE);
 6. attention layers vs transformers' DeepseekV4 at 4K / 16K / 64K: `benchmarks/attention_layers.py`,
    run as a subprocess with the time that is left, its tables included verbatim.
+7. whole decoder layers (mHC + attention + MoE) vs transformers' `DeepseekV4DecoderLayer` at 4K /
+   8K / 16K prefill and decode after 4K (issue 7): `benchmarks/decoder_layers.py`, run as a
+   subprocess with the time that is left, its report included verbatim.
 
 Usage::
 
     python benchmarks/bench.py --out BENCHMARKS.md                     # GPU, everything
     python benchmarks/bench.py --quick --device cpu --out /tmp/b.md    # smoke run
-    options: --sections ceilings rope routing vision layers attention  --budget-s 480
+    options: --sections ceilings rope routing vision layers attention decoder  --budget-s 480
              --attention-lengths 4096 16384 65536  --commit <sha> (when .git is not at hand)
 
 The report goes to stdout and to ``--out`` (rewritten after every section, so a run cut short
@@ -51,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
-SECTIONS = ("ceilings", "rope", "routing", "vision", "layers", "attention")
+SECTIONS = ("ceilings", "rope", "routing", "vision", "layers", "attention", "decoder")
 
 # Reference figures quoted in issue 8 (the reference's own code, bf16, one H200).
 REF_ROUTING_MS = {"small": 0.12, 65536: 1.57}  # plain-torch routing step: T <= 64, T = 65536
@@ -670,6 +673,34 @@ def section_attention(device, quick, results, lengths, deadline, out_dir: Path) 
     return "\n".join(parts)
 
 
+# ------------------------------------------------------------------------ whole decoder layers
+def section_decoder(device, quick, results, deadline, out_dir: Path) -> str:
+    """`benchmarks/decoder_layers.py` (ours vs transformers' DeepseekV4DecoderLayer, issue 7) in a
+    subprocess: its own `--budget-s` is the time left less a margin, so it stops gracefully first."""
+    report = out_dir / "decoder_layers.md"
+    args = ["--quick", "--device", device.type] if quick else ["--device", device.type]
+    left = deadline - time.monotonic() - 10
+    if left < 60:
+        return f"`decoder_layers.py {' '.join(args)}`: not run, {left:.0f} s left of the budget\n"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    # the margin covers its imports and writing the report after its budget is spent
+    cmd = [sys.executable, str(REPO / "benchmarks" / "decoder_layers.py"), "--out", str(report),
+           "--budget-s", f"{left - 45:.0f}", *args]
+    print("running", " ".join(cmd), f"(timeout {left:.0f} s)", file=sys.stderr, flush=True)
+    report.unlink(missing_ok=True)
+    try:
+        proc = subprocess.run(cmd, env=env, timeout=left, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        return f"`decoder_layers.py {' '.join(args)}` ran past {left:.0f} s and was stopped\n"
+    sys.stderr.write(proc.stderr[-20000:])
+    if proc.returncode != 0 or not report.is_file():
+        last = proc.stderr.strip().splitlines()[-1:] if proc.stderr else ""
+        return f"`decoder_layers.py {' '.join(args)}` exited {proc.returncode}: {last}\n"
+    body = report.read_text().replace("\n### ", "\n#### ").replace("## Whole decoder layers", "### Whole decoder layers", 1)
+    return f"Command: `python benchmarks/decoder_layers.py {' '.join(args)}` (raw report: `{report.name}`)\n\n" + body
+
+
 # -------------------------------------------------------------------------------- targets
 def targets(results) -> str:
     rows = []
@@ -718,6 +749,7 @@ def main(argv=None) -> int:
         "vision": "Vision tower at real width (32 x 1024) + aligner",
         "layers": "Decoder layers at real width: memory (fp8 / fp4 storage) and whole-layer time",
         "attention": "Attention layers: ours vs transformers DeepseekV4 (benchmarks/attention_layers.py)",
+        "decoder": "Whole decoder layers: ours vs transformers DeepseekV4 (benchmarks/decoder_layers.py)",
     }
 
     def write() -> str:
@@ -739,6 +771,8 @@ def main(argv=None) -> int:
             if name == "attention":
                 text = section_attention(device, args.quick, results, args.attention_lengths, deadline,
                                          (args.out or REPO / "BENCHMARKS.md").parent)
+            elif name == "decoder":
+                text = section_decoder(device, args.quick, results, deadline, (args.out or REPO / "BENCHMARKS.md").parent)
             else:
                 text = globals()[f"section_{name}"](device, args.quick, results)
         except Exception as exc:  # noqa: BLE001 - one section's failure must not lose the others
