@@ -493,6 +493,11 @@ class DeepseekV41EngramEmbedding(nn.Module):
     Parameters:
         weight: float8_e4m3fn ``[num_embeddings, head_dim]``.
         scale: float8_e8m0fnu ``[num_embeddings, head_dim / 32]``, one power of two per 32 values.
+
+    The table may live on another device than the layer that calls it (a ``device_map`` entry
+    ``model.layers.{i}.engram.embed: "cpu"`` keeps it in host memory while the layer runs on a GPU,
+    see `engram_placement_deepseek_v41_vl.py`): then only the indices travel to the table and only
+    the looked-up bf16 rows travel back.
     """
 
     def __init__(self, num_embeddings: int, head_dim: int):
@@ -507,12 +512,32 @@ class DeepseekV41EngramEmbedding(nn.Module):
         )
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
-        """indices: int ``[...]`` rows in ``[0, num_embeddings)``. Returns bf16 ``[..., head_dim]``:
-        value x scale per 32-block, computed in fp32 (exact: a power-of-two scale) and cast to bf16."""
+        """Look up and dequantize rows.
+
+        Args:
+            indices: int ``[...]``, rows in ``[0, num_embeddings)``, on any device.
+
+        Returns:
+            bf16 ``[..., head_dim]`` on the device of `indices`: value x scale per 32-block,
+            computed in fp32 (exact: a power-of-two scale) and cast to bf16, on the table's device
+            (the same bits on every device).
+        """
+        out_device = indices.device
+        table_device = self.weight.device
+        if out_device != table_device:
+            # blocking: the gather needs the indices at once, and a non-blocking copy into host
+            # memory could be read before it lands
+            indices = indices.to(table_device)
         values = F.embedding(indices, self.weight).float()
         scales = F.embedding(indices, self.scale).float()
         values = values.unflatten(-1, (-1, ENGRAM_SCALE_BLOCK)) * scales.unsqueeze(-1)
-        return values.flatten(-2).to(torch.bfloat16)
+        rows = values.flatten(-2).to(torch.bfloat16)
+        if out_device != table_device:
+            # to an accelerator the copy may be non-blocking: it is queued on the stream the layer's
+            # next kernels run on, and a pageable source is staged before the call returns; into
+            # host memory it must block (the caller would read it at once)
+            rows = rows.to(out_device, non_blocking=out_device.type != "cpu")
+        return rows
 
 
 def _projection_dtype(config: DeepseekV41TextConfig, weight_dtype: str | None) -> str:

@@ -54,7 +54,14 @@ from .attention_deepseek_v41_vl import (
 )
 from .cache_deepseek_v41_vl import DeepseekV41Cache
 from .configuration_deepseek_v41_vl import DeepseekV41Config, DeepseekV41TextConfig
+from .cuda_graphs_deepseek_v41_vl import GraphedSegment
 from .engram_deepseek_v41_vl import DeepseekV41Engram, DeepseekV41EngramHash
+from .engram_placement_deepseek_v41_vl import (
+    check_engram_placement,
+    device_map_with_engram_tables,
+    empty_model,
+    keep_engram_tables_resident,
+)
 from .hyper_connection_deepseek_v41_vl import DeepseekV41HyperConnection, identity_pre_mix
 from .moe_deepseek_v41_vl import DeepseekV41Gate, DeepseekV41MoE
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
@@ -192,6 +199,18 @@ class DeepseekV41Head(nn.Module):
         return F.linear(hidden_states.float(), self.weight)
 
 
+_GRAPH_POOLS: dict = {}
+
+
+def _graph_pool(device: torch.device):
+    """One CUDA-graph memory pool per device, shared by the decode graphs of every layer (they
+    replay one after another on one stream, so their intermediates may share memory)."""
+    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    if key not in _GRAPH_POOLS:
+        _GRAPH_POOLS[key] = torch.cuda.graph_pool_handle()
+    return _GRAPH_POOLS[key]
+
+
 class DeepseekV41DecoderLayer(nn.Module):
     """One backbone block: Engram (where configured), then attention and MoE between mHC mixes.
 
@@ -216,12 +235,18 @@ class DeepseekV41DecoderLayer(nn.Module):
         self.engram = (
             DeepseekV41Engram(config, layer_idx, config.weight_dtype) if layer_idx in config.engram_layer_ids else None
         )
-        self.hc = DeepseekV41HyperConnection(hc, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
+        self.hc = DeepseekV41HyperConnection(
+            hc, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps, numerics=config.numerics
+        )
         mix = (2 + hc) * hc
         for site in ("attn", "ffn"):
             self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.empty(mix, hc * dim, dtype=torch.float32)))
             self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.empty(mix, dtype=torch.float32)))
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.empty(3, dtype=torch.float32)))
+        # One-token decode steps on CUDA (numerics "fast") replay the fixed-shape parts of the block
+        # from CUDA graphs (see `decode_step`). A plain attribute: set False to run them eagerly.
+        self.decode_cuda_graphs: bool = bool(getattr(config, "decode_cuda_graphs", True))
+        self._decode_segments: tuple[GraphedSegment, GraphedSegment] | None = None
 
     def forward(
         self,
@@ -267,13 +292,85 @@ class DeepseekV41DecoderLayer(nn.Module):
         attention `pre`, computed from the block input before attention; the FFN's own `pre` is
         returned for the next block.
         """
+        if self._decode_graphs_apply(x, attention_state):
+            return self.decode_step(x, pre_mix_in, attention_state, image_mask, graphs=True)
         hc = self.hc
         attn_pre, attn_post, attn_comb = hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         f = self.attn(self.attn_norm(hc.pre(x, pre_mix_in)), attention_state)
+        return self._ffn_half(f, x, attn_pre, attn_post, attn_comb, image_mask)
+
+    def _ffn_half(self, f, x, attn_pre, attn_post, attn_comb, image_mask=None):
+        hc = self.hc
         x1 = hc.post(f, x, attn_post, attn_comb)
         ffn_pre, ffn_post, ffn_comb = hc.mixes(x1, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
         f = self.ffn(self.ffn_norm(hc.pre(x1, attn_pre)), image_mask)
         return hc.post(f, x1, ffn_post, ffn_comb), ffn_pre
+
+    # -- one-token decode: fixed-shape head and tail around the cache-dependent attention middle
+    def _decode_head(self, x, pre_mix_in, freqs):
+        attn_pre, attn_post, attn_comb = self.hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        xa = self.attn_norm(self.hc.pre(x, pre_mix_in))
+        qr, kv_row, q = self.attn.decode_project(xa, freqs)
+        return attn_pre, attn_post, attn_comb, xa, qr, kv_row, q
+
+    def _decode_tail(self, o, freqs, x, attn_pre, attn_post, attn_comb, image_mask):
+        return self._ffn_half(self.attn.output(o, freqs), x, attn_pre, attn_post, attn_comb, image_mask)
+
+    def _decode_graphs_apply(self, x, state: DeepseekV41AttentionState) -> bool:
+        if not (self.decode_cuda_graphs and x.is_cuda and x.size(1) == 1 and state.start_pos > 0):
+            return False
+        if self.attn.numerics != "fast" or torch.is_grad_enabled():
+            return False
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return False
+        # accelerate's offloading hooks swap the weights in and out around each forward: a graph
+        # would keep reading the addresses of the first load
+        hook = getattr(self, "_hf_hook", None)
+        hooks = getattr(hook, "hooks", [hook]) if hook is not None else []
+        return not any(getattr(h, "offload", False) for h in hooks)
+
+    def _graph_owner_key(self) -> tuple:
+        return (self.attn.numerics, self.attn.wq_a.weight.data_ptr(), self.ffn.shared_experts.w2.weight.data_ptr())
+
+    def decode_step(
+        self,
+        x: torch.Tensor,
+        pre_mix_in: torch.Tensor,
+        attention_state: DeepseekV41AttentionState,
+        image_mask: torch.Tensor | None = None,
+        graphs: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`block` for a one-token step after a prefill, in three parts: the head (mHC mixes
+        and collapse, `attn_norm`, the attention's projections), the attention's cache-dependent
+        middle (:meth:`DeepseekV41Attention.decode_attend`), the tail (`wo_a`/`wo_b`, mHC,
+        `ffn_norm`, MoE, mHC). The head and tail have the same shapes at every step; with `graphs`
+        (CUDA only) they are captured once per batch size in CUDA graphs and replayed. The result
+        equals :meth:`block`'s (bitwise when run eagerly: the same operations).
+
+        Args:
+            x: bf16 ``[B, 1, hc, D]``; pre_mix_in: fp32 ``[B, 1, hc]``.
+            attention_state: the step's state (``start_pos > 0``).
+            image_mask: bool ``[B, 1]`` or None, as :meth:`block` (a graph input: None and a
+                tensor are captured separately).
+            graphs: replay the head and tail from CUDA graphs.
+
+        Returns:
+            ``(x2, f_pre)`` as :meth:`block`.
+        """
+        freqs = self.attn.decode_freqs(attention_state, x.device)
+        head, tail = self._decode_head, self._decode_tail
+        if graphs:
+            if self._decode_segments is None:
+                pool = _graph_pool(x.device)
+                # the head's outputs are consumed within the step; the tail's go to the caller
+                self._decode_segments = (
+                    GraphedSegment(head, pool, self._graph_owner_key, clone_outputs=False),
+                    GraphedSegment(tail, pool, self._graph_owner_key, clone_outputs=True),
+                )
+            head, tail = self._decode_segments
+        attn_pre, attn_post, attn_comb, xa, qr, kv_row, q = head(x, pre_mix_in, freqs)
+        o = self.attn.decode_attend(xa, qr, kv_row, q, freqs, attention_state)
+        return tail(o, freqs, x, attn_pre, attn_post, attn_comb, image_mask)
 
 
 @dataclass
@@ -316,7 +413,9 @@ class DeepseekV41Transformer(nn.Module):
         self.layers = nn.ModuleList(DeepseekV41DecoderLayer(text, i) for i in range(text.num_hidden_layers))
         self.norm = DeepseekV41RMSNorm(dim, text.rms_norm_eps)
         self.head = DeepseekV41Head(text.vocab_size, dim)
-        self.hc = DeepseekV41HyperConnection(text.hc_mult, text.hc_sinkhorn_iters, text.hc_eps, text.rms_norm_eps)
+        self.hc = DeepseekV41HyperConnection(
+            text.hc_mult, text.hc_sinkhorn_iters, text.hc_eps, text.rms_norm_eps, numerics=text.numerics
+        )
         self.engram_hash = DeepseekV41EngramHash(text) if text.engram_layer_ids else None
         self.vision_enabled = config.vision_config.num_hidden_layers > 0
         if self.vision_enabled:
@@ -770,20 +869,35 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
         A local ``convert --link`` folder (index ``metadata.layout == "official"``) is then filled
         through the load-time transform (:meth:`_load_official_layout`).
 
+        Engram tables in host memory: a `device_map` entry ``model.layers.{i}.engram.embed: "cpu"``
+        under a layer on a GPU keeps that table resident on the CPU (only hash ids and looked-up
+        rows cross; `engram_placement_deepseek_v41_vl.py`). ``engram_device="cpu"`` adds those
+        entries for every table to the `device_map` given: "auto" / "balanced" /
+        "balanced_low_0" / "sequential" infer the rest over the GPUs without the tables
+        (`engram_offload_device_map`), a dict gets the entries, one device takes all the rest.
+
         Raises:
             DeepseekV41ModelError: a ``--link`` folder with a `device_map` other than None / "cpu".
+            DeepseekV41EngramPlacementError: `engram_device` other than "cpu" or without a `device_map`;
+                a table mapped to "cpu" inside an offloaded ("disk", or "cpu" beside GPUs) layer.
         """
         if kwargs.get("dtype", kwargs.get("torch_dtype")) in (None, "auto"):
             kwargs.pop("torch_dtype", None)
             kwargs["dtype"] = torch.bfloat16
         path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        engram_device = kwargs.pop("engram_device", None)
+        if engram_device is not None:
+            kwargs["device_map"] = device_map_with_engram_tables(
+                kwargs.get("device_map"), engram_device, cls._empty_for_device_map(path, kwargs), kwargs.get("max_memory")
+            )
+        check_engram_placement(kwargs.get("device_map"))  # before the weights load
         official = _official_layout_index(path)
         if official is not None and kwargs.get("device_map") not in (None, "cpu"):
             raise DeepseekV41ModelError(
                 f"{path} is a --link folder (official tensor layout); it loads on CPU only, without a "
                 f"device_map (got {kwargs['device_map']!r}): convert without --link to use a device_map"
             )
-        with _offloaded_layers_load_whole(list(cls._no_split_modules)):
+        with _offloaded_layers_load_whole(list(cls._no_split_modules)), keep_engram_tables_resident():
             model = super().from_pretrained(*args, **kwargs)
         # a folder without generation_config.json gets a fresh one from the config
         model_or_first = model[0] if isinstance(model, tuple) else model
@@ -791,6 +905,20 @@ class DeepseekV41PreTrainedModel(PreTrainedModel):
             model_or_first._load_official_layout(path, official)
         model_or_first._suppress_image_token()
         return model
+
+    @classmethod
+    def _empty_for_device_map(cls, path, kwargs: dict) -> nn.Module:
+        """This class on the meta device for the config `from_pretrained` will use (names and sizes
+        for a device map; the config is read with the same hub arguments)."""
+        from transformers import PretrainedConfig
+
+        config = kwargs.get("config")
+        if not isinstance(config, PretrainedConfig):
+            hub = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
+            config = cls.config_class.from_pretrained(
+                config if config is not None else path, **{key: kwargs[key] for key in hub if key in kwargs}
+            )
+        return empty_model(config, cls)
 
     @torch.no_grad()
     def _load_official_layout(self, folder, weight_map: dict[str, str]) -> None:

@@ -311,6 +311,42 @@ def test_golden_decode_on_gpu(golden, variant, run):
     assert sum(agree) / steps >= 0.8, agree
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_cuda_graphs_equal_eager_steps(golden, variant):
+    """The decode steps replayed from CUDA graphs (`DeepseekV41DecoderLayer.decode_step`) give the
+    logits of the same steps run eagerly, and leave the same cache (16 steps, several layers of
+    each kind, the graphs captured at the first step and replayed after)."""
+    from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
+
+    model = gpu_model(golden, variant, "fast")
+    tensors = golden_run(golden, variant, "vl")
+    results = {}
+    for graphs in (False, True):
+        for layer in model.layers:
+            layer.decode_cuda_graphs = graphs
+        cache = DeepseekV41Cache(model.config)
+        logits = []
+        with torch.no_grad():
+            model(**prefill_inputs(golden, variant, "vl", tensors), cache=cache)
+            token = tensors["prefill.next_token"].view(-1, 1)
+            for _ in range(16):
+                step = model(token, cache=cache).logits[:, -1]
+                logits.append(step)
+                token = step.argmax(-1, keepdim=True)
+        results[graphs] = (torch.stack(logits), cache)
+    for layer in model.layers:
+        layer.decode_cuda_graphs = True
+    captured = [len(seg) for layer in model.layers for seg in (layer._decode_segments or ())]
+    assert captured and all(n == 1 for n in captured), captured  # one capture per segment, replayed after
+    eager, graphed = results[False][0], results[True][0]
+    _METRICS[f"decode_graphs/{variant}"] = {"bitwise": torch.equal(eager, graphed), "rel_l2": rel_l2(graphed, eager)}
+    assert rel_l2(graphed, eager) < 1e-5
+    assert torch.equal(eager.argmax(-1), graphed.argmax(-1))
+    ring_eager = results[False][1].attention.layer(0).window_kv
+    ring_graphed = results[True][1].attention.layer(0).window_kv
+    assert rel_l2(ring_graphed, ring_eager) < 1e-5
+
+
 # --------------------------------------------------------------------------------------------
 # The vision tower at real width
 # --------------------------------------------------------------------------------------------
@@ -380,3 +416,170 @@ def test_vision_attention_runs_on_a_fused_sdpa_kernel():
                 pytest.fail(f"vision attention cannot use a fused SDPA kernel: {exc}")
     assert ours.dtype == torch.bfloat16
     assert rel_l2(ours, want) < 0.02
+
+
+# --------------------------------------------------------------------------------------------
+# The transformers classes on CUDA: Engram tables resident on the CPU, the golden run
+# --------------------------------------------------------------------------------------------
+
+ENGRAM_TABLES = ("model.layers.1.engram.embed", "model.layers.5.engram.embed")  # engram_layer_ids [1, 5]
+_HF: dict[str, object] = {}
+
+
+@pytest.fixture(scope="module")
+def converted_tiny_fp8(golden, tmp_path_factory) -> Path:
+    from deepseek_v41_vl.conversion.convert import convert_checkpoint
+
+    dst = tmp_path_factory.mktemp("gpu_hf") / "tiny_fp8"
+    convert_checkpoint(golden / "model_tiny_fp8", dst, progress=False)
+    return dst
+
+
+def hf_vl_inputs(golden: Path, folder: Path):
+    """The golden VL prompt and images through the processor, on the GPU, and the golden tokens."""
+    from transformers import AutoProcessor
+
+    meta = json.loads((golden / "model_tiny_fp8" / "meta.json").read_text())["vl_run"]
+    processor = AutoProcessor.from_pretrained(folder)
+    images = [str(golden / im["file"]) for im in meta["images"]]
+    inputs = processor(images=images, text=meta["prompt"], return_tensors="pt").to(CUDA)
+    return inputs, meta["generated_tokens"]
+
+
+def hf_all_gpu_run(golden: Path, folder: Path) -> dict:
+    """The whole model on GPU 0 (numerics fast): its prefill logits and greedy tokens, computed once."""
+    from transformers import AutoModelForImageTextToText
+
+    if "all_gpu" not in _HF:
+        model = AutoModelForImageTextToText.from_pretrained(folder, numerics="fast", device_map=0)
+        inputs, _ = hf_vl_inputs(golden, folder)
+        with torch.no_grad():
+            logits = model(**inputs, use_cache=False).logits
+        tokens = model.generate(**inputs, do_sample=False, max_new_tokens=13)[:, inputs["input_ids"].shape[1] :]
+        _HF["all_gpu"] = {"model": model, "logits": logits, "tokens": tokens.tolist()}
+    return _HF["all_gpu"]
+
+
+def _engram_split_map(model, form: str) -> dict:
+    tables = dict.fromkeys(ENGRAM_TABLES, "cpu")
+    if form == "root":
+        return {"": 0, **tables}
+    # every top-level module and decoder layer an entry of its own, the tables below their layers
+    entries = {}
+    for name, child in model.model.named_children():
+        if name == "layers":
+            entries.update({f"model.layers.{i}": 0 for i in range(len(child))})
+        else:
+            entries[f"model.{name}"] = 0
+    entries.update({f"model.{name}": 0 for name, _ in model.model.named_parameters(recurse=False)})
+    return {**entries, **tables}
+
+
+@pytest.mark.parametrize("form", ["root", "per_layer", "engram_device"])
+def test_engram_tables_resident_on_cpu_give_the_all_gpu_logits_and_tokens(golden, converted_tiny_fp8, form):
+    """`model.layers.{i}.engram.embed: "cpu"` beside a model on GPU 0: the tables stay real CPU
+    tensors without accelerate hooks, the hash ids go to them and only the looked-up rows come back,
+    and the logits and greedy tokens equal the all-GPU load's (the CPU dequantization is exact)."""
+    from transformers import AutoModelForImageTextToText
+
+    reference = hf_all_gpu_run(golden, converted_tiny_fp8)
+    if form == "engram_device":
+        kwargs = {"device_map": "auto", "engram_device": "cpu"}
+    else:
+        kwargs = {"device_map": _engram_split_map(reference["model"], form)}
+    model = AutoModelForImageTextToText.from_pretrained(converted_tiny_fp8, numerics="fast", **kwargs)
+    if form != "engram_device":
+        assert model.hf_device_map == kwargs["device_map"]
+    assert {model.hf_device_map[name] for name in ENGRAM_TABLES} == {"cpu"}
+    tables = [model.get_submodule(name) for name in ENGRAM_TABLES]
+    pointers = [p.data_ptr() for table in tables for p in table.parameters()]
+    for table in tables:
+        assert not hasattr(table, "_hf_hook")
+        assert all(p.device.type == "cpu" and not p.is_meta for p in table.parameters())
+    for name, param in model.named_parameters():
+        if name.rsplit(".", 1)[0] not in ENGRAM_TABLES:
+            assert param.device == torch.device("cuda", 0), name
+    for i in (1, 5):  # a layer hook, if any, only moves inputs
+        assert not getattr(getattr(model.model.layers[i], "_hf_hook", None), "offload", False)
+
+    crossings = []
+
+    def crossing(module, args, out):
+        crossings.append((args[0].device.type, module.weight.device.type, out.device.type))
+
+    handles = [table.register_forward_hook(crossing) for table in tables]
+    inputs, _ = hf_vl_inputs(golden, converted_tiny_fp8)
+    with torch.no_grad():
+        logits = model(**inputs, use_cache=False).logits
+    for handle in handles:
+        handle.remove()
+    assert crossings == [("cuda", "cpu", "cuda")] * 2
+    assert [p.data_ptr() for table in tables for p in table.parameters()] == pointers  # never moved
+    assert all(p.device.type == "cpu" for table in tables for p in table.parameters())
+    _METRICS[f"engram_resident/{form}"] = {"logits_bitwise": torch.equal(logits, reference["logits"])}
+    assert torch.equal(logits, reference["logits"])
+    tokens = model.generate(**inputs, do_sample=False, max_new_tokens=13)[:, inputs["input_ids"].shape[1] :]
+    assert tokens.tolist() == reference["tokens"]
+
+
+def test_hf_wrapper_on_gpu_matches_the_golden_run(golden, converted_tiny_fp8):
+    """`AutoModelForImageTextToText` + processor on CUDA (numerics fast) against the golden VL run,
+    within this file's bounds: prefill logits rel L2 < 0.1 and argmax equal on >= 90% of positions;
+    the cached decode fed the golden tokens, logits rel L2 < 0.15 at every step and argmax equal on
+    >= 80% of them; and `generate` (greedy, 13 tokens) follows the golden tokens as long as its logits
+    do: each step's logits, while the tokens so far agree, are within the decode bound of the golden
+    step's, and every step's token is that step's argmax."""
+    from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
+
+    model = hf_all_gpu_run(golden, converted_tiny_fp8)["model"]
+    tensors = golden_run(golden, "model_tiny_fp8", "vl")
+    inputs, golden_tokens = hf_vl_inputs(golden, converted_tiny_fp8)
+    assert torch.equal(inputs["input_ids"], tensors["input_ids"])
+    with torch.no_grad():
+        logits = model(**inputs, use_cache=False).logits
+    ref = tensors["prefill.logits"]
+    prefill = {
+        "logits_rel_l2": rel_l2(logits, ref),
+        "argmax_agree": (logits.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+    }
+
+    # teacher-forced decode through the wrapper's forward and cache
+    cache = DeepseekV41Cache(model.config)
+    errors, agree = [], []
+    with torch.no_grad():
+        model(**inputs, cache=cache, logits_to_keep=1)
+        token = tensors["prefill.next_token"].view(-1, 1)
+        for step in range(tensors["decode.logits"].size(0)):
+            step_logits = model(input_ids=token, cache=cache).logits[:, -1]
+            step_ref = tensors["decode.logits"][step]
+            errors.append(rel_l2(step_logits, step_ref))
+            agree.append((step_logits.argmax(-1) == step_ref.argmax(-1)).float().mean().item())
+            token = tensors["decode.token"][step].view(-1, 1)
+
+    out = model.generate(
+        **inputs,
+        do_sample=False,
+        max_new_tokens=13,
+        output_logits=True,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    step_refs = [ref[:, -1]] + [tensors["decode.logits"][s] for s in range(len(golden_tokens[0]) - 1)]
+    # greedy: each token is its step's argmax (of the processed scores, where the image id is suppressed)
+    assert tokens == [int(scores[0].argmax()) for scores in out.scores]
+    followed, generate_errors = 0, []
+    for step, (ours, want) in enumerate(zip(out.logits, step_refs)):
+        if tokens[:step] != golden_tokens[0][:step]:
+            break
+        generate_errors.append(rel_l2(ours, want))
+        followed = step + 1
+    _METRICS["hf_wrapper_golden"] = {
+        "prefill": prefill, "decode_rel_l2": errors, "decode_argmax_agree": agree,
+        "generated": tokens, "golden": golden_tokens[0], "generate_steps_compared": followed,
+        "generate_rel_l2": generate_errors,
+    }
+    assert prefill["logits_rel_l2"] < 0.1 and prefill["argmax_agree"] >= 0.9, prefill
+    assert max(errors) < 0.15 and sum(agree) / len(agree) >= 0.8, (errors, agree)
+    assert len(tokens) == 13 and followed >= 1
+    assert max(generate_errors) < 0.15, generate_errors
