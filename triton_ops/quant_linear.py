@@ -1,0 +1,474 @@
+"""Decode-size quantized linear: ``y = fake_quant_fp8(x) @ W^T`` reading fp8 / fp4 weights in place.
+
+The fast-numerics path of `modeling/quantization_deepseek_v41_vl.py: DeepseekV41Linear` computes
+``F.linear(fake_quant_fp8(x), dequantized W)``: it writes the whole bf16 weight to memory on every
+call, which dominates a decode step. This kernel reads the stored weight bytes and their e8m0
+scales directly and fuses the activation fake-quant, so a call moves the weight bytes once.
+
+Storage (as `DeepseekV41Linear` holds it; REFERENCE.md section 2):
+
+- ``"fp8"``: weight float8_e4m3fn ``[N, K]``, scale float8_e8m0fnu ``[ceil(N/32), ceil(K/32)]``
+  (one power of two per 32 x 32 tile);
+- ``"fp4"``: weight float4_e2m1fn_x2 ``[N, K/2]`` (the even element in the low nibble; int8 / uint8
+  views accepted), scale float8_e8m0fnu ``[N, K/32]``.
+
+Numerics, equal to the torch fast path up to the order of the fp32 additions:
+
+- activation, per group of 32 along K (mirrors `kernel.act_quant(..., inplace=True)`, i.e.
+  `fake_quant_fp8`): amax floored at 1e-4, ``s = 2^ceil(log2(amax * fp32(1/448)))`` from the
+  product's IEEE bits, ``q = e4m3_rne(clamp(x / s, +-448))``, value ``q * s`` in bf16. ``x / s`` is
+  taken as ``x * (1/s)`` (both exact for a power of two). The e4m3 rounding is one fp32 add and
+  subtract of a power of two (:func:`_round_to_e4m3`), bit-exact against torch's cast on every
+  device: Triton's fp8 cast is not used because the interpreter's truncates;
+- weight: the e4m3 bytes go through Triton's fp8 -> bf16 conversion (exact). An E2M1 code is
+  re-encoded as the e4m3 byte of ``value * 2^-6`` (sign, then the 3 magnitude bits two places up;
+  E2M1's 0.5 becomes an e4m3 subnormal), so fp4 uses the same exact conversion;
+- products of those bf16 values are exact in fp32. Per group of 32 K (one weight scale) a
+  ``tl.dot`` sums them in fp32; the group sum is multiplied by the weight scale (times 2^6 for
+  fp4), exact for a power of two, and added to an fp32 accumulator; the result is rounded to bf16
+  (half to even, on the bits: the interpreter's cast truncates). This is the fast path's sum of
+  ``x_val * (w * s_w)`` in another order.
+
+Non-finite activations or weights give unspecified values (torch propagates NaN differently).
+
+Kernel design (see :func:`default_config`): program ``(n_block, k_split, m_block)`` owns
+``BLOCK_N`` (default 128) output features x 16 rows (``tl.dot`` needs 16; decode pads the rows)
+and one contiguous K range. Each loop step handles ``groups_per_iter`` groups of 32; per group it
+loads the activation tile ``[32, 16]`` (re-quantizing it locally: it is tiny and L2-resident; that
+work is per program, so a wide ``BLOCK_N`` amortises it over more weight bytes) and the weight
+tile ``[BLOCK_N, 32]`` (fp4: ``[BLOCK_N, 16]`` bytes, low and high nibbles dotted against the even
+and odd activations), then ``acc[BLOCK_N, 16] += dot(w, x_q^T) * s_w``. When there are too few N
+blocks to fill the GPU (small N, large K) K is split: every split writes fp32 partials to a
+workspace ``[S, M, N]`` and a second small kernel adds them in split order, so results are
+deterministic (no atomics). No host synchronisation and only shape-dependent allocations:
+CUDA-graph capturable after a warm-up call has compiled the kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+try:  # Triton is optional: CPU-only installs use the torch fallback
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where Triton is missing
+    triton = None
+    tl = None
+
+from .kernel_backend import resolve_backend, triton_available, triton_interpret_mode
+
+ENV_BACKEND = "DEEPSEEK_V41_QUANT_LINEAR_BACKEND"
+# Rows (tokens) up to which DeepseekV41Linear uses the kernel: one 16-row MMA tile. Beyond that the
+# weight bytes are amortised over many rows and the dequantize + cuBLAS path is likely the better
+# one (the kernel is correct for any M, tiling rows by 16, but re-reads W per 16 rows).
+QUANT_LINEAR_MAX_ROWS = 16
+GROUP = 32  # activation group / weight scale block along K
+_BLOCK_M = 16  # tl.dot's smallest tile side
+# programs per SM the split-K heuristic aims for, and the fewest K groups a split may get
+_PROGRAMS_PER_SM = 2
+_MIN_GROUPS_PER_SPLIT = 4
+_REDUCE_BLOCK = 1024
+
+_WEIGHT_FORMATS = ("fp8", "fp4")
+
+
+class QuantLinearError(ValueError):
+    """Bad arguments to the quantized-linear kernel: dtypes, shapes, devices, config or backend."""
+
+
+@dataclass(frozen=True)
+class QuantLinearConfig:
+    """Launch parameters of :func:`quantized_linear_triton`.
+
+    Attributes:
+        block_n: output features per program, a power of two >= 16.
+        groups_per_iter: groups of 32 K per loop step (unrolled), >= 1.
+        split_k: K ranges computed by separate programs and summed by a second kernel, >= 1
+            (reduced to the number of non-empty ranges).
+        num_warps, num_stages: passed to the launch (num_stages: software-pipelining depth).
+    """
+
+    block_n: int = 128
+    groups_per_iter: int = 2
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def resolve_quant_linear_backend(backend: str | None, device: torch.device) -> str:
+    """``"triton"`` or ``"torch"`` for tensors on `device`; ``None`` / ``"auto"`` read
+    ``DEEPSEEK_V41_QUANT_LINEAR_BACKEND`` first, then pick Triton on CUDA (`kernel_backend`).
+
+    Raises:
+        QuantLinearError: an unknown backend name (argument or environment variable).
+    """
+    return resolve_backend(backend, device, env_var=ENV_BACKEND, error=QuantLinearError, what="quantized linear")
+
+
+def use_quant_linear_kernel(x: torch.Tensor, backend: str | None = "auto") -> bool:
+    """True when a quantized linear on `x` ``[..., K]`` should run :func:`quantized_linear_triton`:
+    the backend resolves to Triton and there are at most :data:`QUANT_LINEAR_MAX_ROWS` rows.
+
+    Reads only shapes and the device (no synchronisation).
+
+    Raises:
+        QuantLinearError: an unknown backend name.
+    """
+    chosen = resolve_quant_linear_backend(backend, x.device)
+    if x.dim() == 0 or x.size(-1) == 0:
+        return False
+    return chosen == "triton" and x.numel() // x.size(-1) <= QUANT_LINEAR_MAX_ROWS
+
+
+def _kernel_is_interpreted() -> bool:
+    # triton.jit picks the interpreter when the kernel is *defined* (TRITON_INTERPRET at import)
+    return triton is not None and type(_quant_linear_kernel).__name__ == "InterpretedFunction"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _pow2_scale(amax):
+        """amax fp32 -> (s, 1/s): s = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))), as round_scale_pow2."""
+        prod = tl.maximum(amax, 1e-4) * 0.002232142857142857
+        bits = prod.to(tl.int32, bitcast=True)
+        expo = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        scale = (expo << 23).to(tl.float32, bitcast=True)
+        # 1/s exactly: s is at least 2^-22 (the floor) and at most 2^120 (bf16 max / 448)
+        inv_scale = ((254 - expo) << 23).to(tl.float32, bitcast=True)
+        return scale, inv_scale
+
+    @triton.jit
+    def _round_to_e4m3(v):
+        """fp32 with |v| <= 448 -> the nearest float8_e4m3fn value (fp32), ties to even, sign kept.
+
+        The e4m3 grid spacing at |v| is 2^(e - 130) (e: v's biased fp32 exponent, at least 121,
+        e4m3's smallest normal 2^-6; below it the subnormal spacing 2^-9). Adding c = 2^(e - 107)
+        puts |v| + c in c's binade, whose fp32 ulp is exactly that spacing, so the IEEE addition
+        rounds |v| to the grid, half to even; subtracting c is exact. About 10 operations where
+        Triton's own fp8 cast is not usable: the interpreter's truncates.
+        """
+        bits = v.to(tl.int32, bitcast=True)
+        mag = bits & 0x7FFFFFFF
+        expo = tl.maximum(mag >> 23, 121)
+        c = ((expo + 20) << 23).to(tl.float32, bitcast=True)
+        rounded = (mag.to(tl.float32, bitcast=True) + c) - c
+        sign = (bits >> 31) << 31
+        return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _fake_quant_cols(x, scale, inv_scale):
+        """x fp32 [L, BM] (columns = rows of the activation) -> q * s as bf16, per column scale."""
+        v = x * inv_scale[None, :]
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        return (_round_to_e4m3(v) * scale[None, :]).to(tl.bfloat16)
+
+    @triton.jit
+    def _e8m0_to_fp32(b):
+        """e8m0 bytes (uint8) -> 2^(b - 127) fp32 (byte 0: 2^-127 subnormal; 255: NaN), as torch."""
+        b = b.to(tl.int32)
+        bits = tl.where(b == 0, 0x400000, b << 23)
+        bits = tl.where(b == 255, 0x7FC00000, bits)
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _to_bf16_rne(v):
+        """fp32 -> bf16, round half to even, on the bits: the interpreter's cast truncates."""
+        bits = v.to(tl.int32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return tl.where(v == v, rounded, v.to(tl.bfloat16))  # NaN kept as NaN
+
+    @triton.jit
+    def _dot(a, b, DOT_FP32: tl.constexpr):
+        """a @ b for bf16 tiles, fp32 out. The products are exact either way; fp32 operands only
+        for the interpreter, whose dot multiplies bf16 tiles as their raw 16-bit integers."""
+        if DOT_FP32:
+            out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            out = tl.dot(a, b)
+        return out
+
+    @triton.jit
+    def _quant_linear_kernel(
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        out_ptr,
+        M,
+        N,
+        n_groups,
+        groups_per_split,
+        stride_xm,
+        stride_wn,
+        stride_sn,
+        stride_om,
+        IS_FP4: tl.constexpr,
+        WRITE_PARTIAL: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        GROUPS_PER_ITER: tl.constexpr,
+        DOT_FP32: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        n_ok = offs_n < N
+        m_ok = offs_m < M
+        # K counted in groups of 32: offsets are then products (g * 32, g * 16 bytes), whose
+        # alignment the compiler sees, so the weight loads vectorise (a `k // 2` would hide it)
+        g_lo = pid_k * groups_per_split
+        g_hi = tl.minimum(g_lo + groups_per_split, n_groups)
+
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        x_rows = x_ptr + offs_m[None, :] * stride_xm  # [1, BM]
+        w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BN, 1]
+        for g0 in range(g_lo, g_hi, GROUPS_PER_ITER):
+            for dg in tl.static_range(GROUPS_PER_ITER):
+                gi = g0 + dg
+                kg = gi * 32
+                # the last step of a range may overrun it: masked loads give zero partial sums
+                # (a mask term per tensor, as the interpreter rejects tensor & scalar-bool masks)
+                s_mask = n_ok & ((offs_n * 0 + gi) < g_hi)
+                if IS_FP4:
+                    # the activation split into even / odd K, matching the low / high nibbles
+                    j = tl.arange(0, 16)
+                    j_ok = (j * 0 + gi) < g_hi
+                    x_mask = m_ok[None, :] & j_ok[:, None]
+                    x_even = tl.load(x_rows + (kg + 2 * j)[:, None], mask=x_mask, other=0.0).to(tl.float32)
+                    x_odd = tl.load(x_rows + (kg + 2 * j + 1)[:, None], mask=x_mask, other=0.0).to(tl.float32)
+                    amax = tl.maximum(tl.max(tl.abs(x_even), axis=0), tl.max(tl.abs(x_odd), axis=0))
+                    scale, inv_scale = _pow2_scale(amax)
+                    xq_even = _fake_quant_cols(x_even, scale, inv_scale)
+                    xq_odd = _fake_quant_cols(x_odd, scale, inv_scale)
+
+                    w_mask = n_ok[:, None] & j_ok[None, :]
+                    packed = tl.load(w_rows + (gi * 16 + j)[None, :], mask=w_mask, other=0).to(tl.int32)
+                    # E2M1 code c -> e4m3 byte of c's value * 2^-6: sign to bit 7, magnitude << 2
+                    lo = ((packed << 4) & 0x80) | ((packed << 2) & 0x1C)
+                    hi = (packed & 0x80) | ((packed >> 2) & 0x1C)
+                    w_lo = lo.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+                    w_hi = hi.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+                    part = _dot(w_lo, xq_even, DOT_FP32)
+                    part += _dot(w_hi, xq_odd, DOT_FP32)
+                    s_byte = tl.load(s_ptr + offs_n * stride_sn + gi, mask=s_mask, other=127)
+                    w_scale = _e8m0_to_fp32(s_byte) * 64.0
+                else:
+                    kk = tl.arange(0, 32)
+                    k_ok = (kk * 0 + gi) < g_hi
+                    x_t = tl.load(x_rows + (kg + kk)[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+                    x_t = x_t.to(tl.float32)
+                    scale, inv_scale = _pow2_scale(tl.max(tl.abs(x_t), axis=0))
+                    xq = _fake_quant_cols(x_t, scale, inv_scale)
+
+                    w8 = tl.load(w_rows + (kg + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
+                    w = w8.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+                    part = _dot(w, xq, DOT_FP32)
+                    s_byte = tl.load(s_ptr + (offs_n // 32) * stride_sn + gi, mask=s_mask, other=127)
+                    w_scale = _e8m0_to_fp32(s_byte)
+                acc += part * w_scale[:, None]
+
+        out_mask = n_ok[:, None] & m_ok[None, :]
+        if WRITE_PARTIAL:
+            # workspace [S, M, N] fp32, contiguous
+            offs = pid_k * (M * N) + offs_m[None, :] * N + offs_n[:, None]
+            tl.store(out_ptr + offs, acc, mask=out_mask)
+        else:
+            tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], _to_bf16_rne(acc), mask=out_mask)
+
+    @triton.jit
+    def _sum_splits_kernel(ws_ptr, out_ptr, numel, n_splits, BLOCK: tl.constexpr):
+        # out = sum over the splits in order 0, 1, ... (deterministic), rounded to bf16
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < numel
+        acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
+        for s in range(1, n_splits):
+            acc += tl.load(ws_ptr + s * numel + offs, mask=ok, other=0.0)
+        tl.store(out_ptr + offs, _to_bf16_rne(acc), mask=ok)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_config(
+    m: int, n: int, k: int, weight_dtype: str, device: torch.device, **overrides
+) -> QuantLinearConfig:
+    """Launch parameters for ``[m, k] x [n, k]^T`` on `device`.
+
+    128 output features per program (unless `overrides` set ``block_n``; they may set any field
+    of :class:`QuantLinearConfig`); K is split only when the N x M blocks alone give fewer than two
+    programs per SM, into as many ranges as reach that (each of at least 4 groups of 32). At M = 1
+    on 132 SMs, N blocks x K splits: (1280, 5120) 10 x 27; (32768, 1280) 256 x 2; (512, 5120)
+    4 x 40; (5120, 8192) 40 x 7; (2304, 5120) 18 x 14. Not tuned on hardware yet:
+    `benchmarks/quant_linear.py --sweep` measures alternatives. `weight_dtype` is accepted for
+    per-format tuning.
+    """
+    del weight_dtype
+    block_n = overrides.get("block_n", QuantLinearConfig.block_n)
+    sms = 1  # the interpreter: a couple of programs
+    if device.type == "cuda":
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, _BLOCK_M)
+    target = _PROGRAMS_PER_SM * sms
+    split = 1
+    if tiles < target:
+        split = max(1, min(triton.cdiv(target, tiles), (k // GROUP) // _MIN_GROUPS_PER_SPLIT))
+    return QuantLinearConfig(**{"split_k": split, **overrides})
+
+
+def _check_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_dtype: str) -> tuple[int, int]:
+    """Validates the operands; returns (N, K)."""
+    if weight_dtype not in _WEIGHT_FORMATS:
+        raise QuantLinearError(f"weight_dtype must be one of {_WEIGHT_FORMATS}, got {weight_dtype!r}")
+    if x.dtype != torch.bfloat16:
+        raise QuantLinearError(f"the quantized linear takes bfloat16 activations, got {x.dtype}")
+    if x.dim() == 0:
+        raise QuantLinearError("the activation must have a feature dimension, got a 0-d tensor")
+    if weight.dim() != 2:
+        raise QuantLinearError(f"the weight must be 2-D, got shape {tuple(weight.shape)}")
+    if weight_dtype == "fp8":
+        if weight.dtype != torch.float8_e4m3fn:
+            raise QuantLinearError(f"an fp8 weight must be float8_e4m3fn, got {weight.dtype}")
+        n, k = weight.shape
+        expected_scale = (triton.cdiv(n, GROUP), triton.cdiv(k, GROUP))
+    else:
+        if weight.dtype not in (torch.float4_e2m1fn_x2, torch.int8, torch.uint8):
+            raise QuantLinearError(
+                f"an fp4 weight must be float4_e2m1fn_x2 (or an int8/uint8 view), got {weight.dtype}"
+            )
+        n, k = weight.size(0), 2 * weight.size(1)
+        expected_scale = (n, k // GROUP)
+    if k % GROUP or k == 0:
+        raise QuantLinearError(f"in_features {k} is not a positive multiple of the group size {GROUP}")
+    if x.size(-1) != k:
+        raise QuantLinearError(
+            f"the activation has {x.size(-1)} features, the {weight_dtype} weight {tuple(weight.shape)} takes {k}"
+        )
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise QuantLinearError(f"the weight scale must be float8_e8m0fnu (or a uint8 view), got {scale.dtype}")
+    if tuple(scale.shape) != expected_scale:
+        raise QuantLinearError(
+            f"the {weight_dtype} weight {tuple(weight.shape)} needs a scale of shape {expected_scale}, "
+            f"got {tuple(scale.shape)}"
+        )
+    if weight.stride(-1) != 1 or scale.stride(-1) != 1:
+        # copying would move the whole weight on every call, which is what this kernel avoids
+        raise QuantLinearError("the weight and its scale must be contiguous along their last dimension")
+    if not (x.device == weight.device == scale.device):
+        raise QuantLinearError(
+            f"activation, weight and scale must be on one device, got {x.device}, {weight.device}, {scale.device}"
+        )
+    return n, k
+
+
+def _check_config(config: QuantLinearConfig) -> None:
+    bn = config.block_n
+    if bn < 16 or bn & (bn - 1):
+        raise QuantLinearError(f"block_n must be a power of two >= 16, got {bn}")
+    for name in ("groups_per_iter", "split_k", "num_warps", "num_stages"):
+        if getattr(config, name) < 1:
+            raise QuantLinearError(f"{name} must be >= 1, got {getattr(config, name)}")
+
+
+def quantized_linear_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    weight_dtype: str,
+    config: QuantLinearConfig | None = None,
+) -> torch.Tensor:
+    """``fake_quant_fp8(x) @ dequantized(weight, scale)^T`` without materialising the weight.
+
+    Mirrors the fast path of `DeepseekV41Linear.forward` (the reference's `inference/model.py:
+    linear()` with fp8 activations); equal to it up to the order of the fp32 additions (see the
+    module docstring). Written for decode (a few rows); correct for any number of rows.
+
+    Args:
+        x: bf16 ``[..., K]``, K a multiple of 32; copied only if its rows are not contiguous.
+        weight: ``"fp8"``: float8_e4m3fn ``[N, K]``; ``"fp4"``: float4_e2m1fn_x2 (or int8 / uint8)
+            ``[N, K/2]``, the even K element in the low nibble. Rows contiguous.
+        scale: float8_e8m0fnu (or uint8) ``[ceil(N/32), ceil(K/32)]`` for fp8, ``[N, K/32]`` for fp4.
+        weight_dtype: ``"fp8"`` or ``"fp4"``.
+        config: launch parameters; ``None``: :func:`default_config`.
+
+    Returns:
+        bf16 ``[..., N]``, a new tensor on the device of `x`.
+
+    Raises:
+        QuantLinearError: wrong dtypes or shapes, K not a multiple of 32, tensors on different
+            devices or not contiguous along K, a bad config, Triton missing, or CPU tensors outside
+            Triton's interpreter (``TRITON_INTERPRET=1`` before this module is imported).
+    """
+    n, k = _check_args(x, weight, scale, weight_dtype)
+    if not triton_available():
+        raise QuantLinearError("the quantized-linear kernel needs the triton package, which is not installed")
+    if x.device.type != "cuda" and not (_kernel_is_interpreted() and triton_interpret_mode()):
+        raise QuantLinearError(
+            f"the quantized-linear kernel needs CUDA tensors (got {x.device.type}) or Triton's interpreter "
+            "(TRITON_INTERPRET=1 before this module is imported)"
+        )
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, k)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    m = x2d.size(0)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    if m == 0 or n == 0:
+        return out.view(*lead, n)
+    config = default_config(m, n, k, weight_dtype, x.device) if config is None else config
+    _check_config(config)
+
+    groups = k // GROUP
+    # each split a whole number of loop steps: only the last one can overrun K (masked)
+    step = config.groups_per_iter
+    groups_per_split = triton.cdiv(triton.cdiv(groups, config.split_k), step) * step
+    n_splits = triton.cdiv(groups, groups_per_split)
+    write_partial = n_splits > 1
+    target = torch.empty(n_splits, m, n, dtype=torch.float32, device=x.device) if write_partial else out
+    grid = (triton.cdiv(n, config.block_n), n_splits, triton.cdiv(m, _BLOCK_M))
+    _quant_linear_kernel[grid](
+        x2d,
+        weight.view(torch.uint8),
+        scale.view(torch.uint8),
+        target,
+        m,
+        n,
+        groups,
+        groups_per_split,
+        x2d.stride(0),
+        weight.stride(0),
+        scale.stride(0),
+        out.stride(0),
+        IS_FP4=weight_dtype == "fp4",
+        WRITE_PARTIAL=write_partial,
+        BLOCK_N=config.block_n,
+        BLOCK_M=_BLOCK_M,
+        GROUPS_PER_ITER=config.groups_per_iter,
+        DOT_FP32=x.device.type != "cuda",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if write_partial:
+        _sum_splits_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
+            target, out, m * n, n_splits, BLOCK=_REDUCE_BLOCK, num_warps=4
+        )
+    return out.view(*lead, n)
+
+
+__all__ = [
+    "ENV_BACKEND",
+    "GROUP",
+    "QUANT_LINEAR_MAX_ROWS",
+    "QuantLinearConfig",
+    "QuantLinearError",
+    "default_config",
+    "quantized_linear_triton",
+    "resolve_quant_linear_backend",
+    "use_quant_linear_kernel",
+]
