@@ -33,6 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..triton_ops.quant_linear import quantized_linear_triton, use_quant_linear_kernel
+from ..triton_ops.dequant import ENV_BACKEND as _DEQUANT_ENV_BACKEND
+from ..triton_ops.dequant import dequantize_fp4_triton, dequantize_fp8_triton
+from ..triton_ops.kernel_backend import resolve_backend
+
 FP8_E4M3_MAX = 448.0
 FP4_E2M1_MAX = 6.0
 QUANT_BLOCK = 32  # one scale per 32 activations / per 32x32 fp8 weight block / per 32 fp4 weights
@@ -404,13 +409,31 @@ class DeepseekV41Linear(nn.Module):
     def is_quantized(self) -> bool:
         return self.weight_dtype in ("fp8", "fp4")
 
-    def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """The logical ``[out, in]`` weight in `dtype` (exact in bf16 for fp8/fp4 storage)."""
+    def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16, backend: str | None = None) -> torch.Tensor:
+        """The logical ``[out, in]`` weight in `dtype` (exact in bf16 for fp8/fp4 storage).
+
+        `backend` (fp8/fp4 storage, bf16 `dtype`): ``"triton"`` runs one kernel per weight
+        (`triton_ops/dequant.py`, bitwise equal to :func:`dequantize_fp8_weight` /
+        :func:`dequantize_fp4_weight`), ``"torch"`` those functions; ``None`` / ``"auto"`` reads
+        ``DEEPSEEK_V41_DEQUANT_BACKEND``, else Triton for CUDA weights. Other dtypes use torch.
+
+        Raises:
+            DeepseekV41QuantizationError: an unknown backend name.
+            DequantizationError: ``"triton"`` where Triton cannot run (CPU without its interpreter).
+        """
+        if self.weight_dtype not in ("fp8", "fp4"):
+            return self.weight.to(dtype)
+        use_triton = dtype == torch.bfloat16 and "triton" == resolve_backend(
+            backend, self.weight.device, env_var=_DEQUANT_ENV_BACKEND, error=DeepseekV41QuantizationError,
+            what="weight dequantization",
+        )
         if self.weight_dtype == "fp8":
+            if use_triton:
+                return dequantize_fp8_triton(self.weight, self.scale)
             return dequantize_fp8_weight(self.weight, self.scale, dtype=dtype)
-        if self.weight_dtype == "fp4":
-            return dequantize_fp4_weight(self.weight, self.scale, dtype=dtype)
-        return self.weight.to(dtype)
+        if use_triton:
+            return dequantize_fp4_triton(self.weight, self.scale)
+        return dequantize_fp4_weight(self.weight, self.scale, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[..., in]`` -> ``[..., out]`` (bf16 for quantized weights, else the weight's dtype)."""
@@ -422,6 +445,11 @@ class DeepseekV41Linear(nn.Module):
             q, s = act_quant(x)
             gemm = fp8_block_gemm if self.weight_dtype == "fp8" else fp4_block_gemm
             return gemm(q, s, self.weight, self.scale)
+        _check_bf16(x, "DeepseekV41Linear")  # the same error on both paths below
+        if use_quant_linear_kernel(x):
+            # decode-size inputs (a few rows) on CUDA: reads fp8/fp4 in place, fused fake-quant
+            # (`triton_ops/quant_linear.py`); equal to the line below up to fp32 summation order
+            return quantized_linear_triton(x, self.weight, self.scale, self.weight_dtype)
         return F.linear(fake_quant_fp8(x), self.dequantized_weight(torch.bfloat16))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
