@@ -323,6 +323,8 @@ class DeepseekV41DecoderLayer(nn.Module):
             return False
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return False
+        if not self.ffn.runs_without_host_sync(x.size(0), x.device):
+            return False  # e.g. a batch past the expert kernels' size: the MoE reads counts on the host
         # accelerate's offloading hooks swap the weights in and out around each forward: a graph
         # would keep reading the addresses of the first load
         hook = getattr(self, "_hf_hook", None)

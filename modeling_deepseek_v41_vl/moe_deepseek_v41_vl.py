@@ -10,11 +10,17 @@ and parameter names are the checkpoint's, so ``layers.{i}.ffn.<name>`` loads wit
 Numerics (``config.numerics``):
 
 - ``"exact"``: the reference's loop over experts, torch top-k routing; bitwise equal on CPU.
-- ``"fast"``: routing by the Triton kernel on CUDA (torch elsewhere), experts run on one
-  expert-sorted copy of the tokens and scattered back with one ``index_add_``. Each row still gets
-  its expert outputs added in ascending expert order, so on CPU it equals the exact loop given the
-  same expert GEMMs; the ``"fast"`` GEMMs themselves are dequantized bf16 matmuls (see
-  ``quantization_deepseek_v41_vl.py``).
+- ``"fast"``: routing by the Triton kernel on CUDA (torch elsewhere). The routed experts then take
+  one of two paths, both adding each row's expert outputs in fp32 in ascending expert order:
+
+  - decode-sized calls (``T * k <= MAX_PAIRS``, 64) on CUDA, or wherever
+    ``DEEPSEEK_V41_MOE_EXPERTS_BACKEND=triton``: the expert kernels (`triton_ops/moe_experts.py`),
+    which read the fp4 / fp8 / bf16 expert weights in place, with no host synchronisation (CUDA-graph
+    capturable); equal to the path below up to fp32 summation order inside the GEMMs;
+  - otherwise the experts run on one expert-sorted copy of the tokens, scattered back with one
+    ``index_add_`` (this reads the expert counts on the host). On CPU it equals the exact loop
+    given the same expert GEMMs; the ``"fast"`` GEMMs themselves are dequantized bf16 matmuls (see
+    ``quantization_deepseek_v41_vl.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..triton_ops.moe_experts import (
+    ExpertTableCache,
+    moe_experts_triton,
+    resolve_moe_experts_backend,
+    use_moe_experts_kernel,
+)
 from ..triton_ops.moe_routing import route_topk, router_scores
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
 
@@ -224,6 +236,10 @@ class DeepseekV41MoE(nn.Module):
             for _ in range(self.n_routed_experts)
         )
         self.shared_experts = DeepseekV41Expert(config.hidden_size, inter, shared_dtype, config.swiglu_limit, config.numerics)
+        self.routed_weight_dtype = routed_dtype
+        # where the expert kernels find the 3 x E weights (a plain attribute, not state): rebuilt
+        # when the experts move (`.to()`) or their first / last tensors are replaced
+        self.expert_tables = ExpertTableCache()
 
     def _routed_exact(self, x, weights, indices) -> torch.Tensor:
         # the reference's loop: one expert at a time, its rows in (token, slot) order
@@ -257,6 +273,24 @@ class DeepseekV41MoE(nn.Module):
         out = torch.zeros_like(x, dtype=torch.float32)
         return out.index_add_(0, rows, y_sorted.float())
 
+    def runs_without_host_sync(self, rows: int, device: torch.device) -> bool:
+        """True when a forward of `rows` bf16 token rows on `device` takes the expert kernels' path,
+        which never synchronises with the host (so it can be captured in a CUDA graph)."""
+        return (
+            self.numerics == "fast"
+            and resolve_moe_experts_backend(None, device) == "triton"
+            and use_moe_experts_kernel(
+                torch.empty(rows, self.hidden_size, dtype=torch.bfloat16, device="meta"),
+                torch.empty(rows, self.gate.top_k, device="meta"),
+                self.routed_weight_dtype,
+                backend="triton",
+            )
+        )
+
+    def _routed_kernels(self, x, weights, indices) -> torch.Tensor:
+        # fp32 [T, D]; no host sync: the expert table is built on the first call (and after moves)
+        return moe_experts_triton(x, weights, indices, self.expert_tables.get(self.experts))
+
     def forward(self, hidden_states: torch.Tensor, image_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the MoE FFN.
 
@@ -270,6 +304,8 @@ class DeepseekV41MoE(nn.Module):
 
         Raises:
             DeepseekV41MoEError: wrong shapes, or `image_rows` not a bool ``[B, S]`` tensor.
+            MoEExpertsError: an unknown ``DEEPSEEK_V41_MOE_EXPERTS_BACKEND``, or ``"triton"`` forced
+                where Triton cannot run (CPU without its interpreter).
         """
         if hidden_states.dim() != 3 or hidden_states.size(-1) != self.hidden_size:
             raise DeepseekV41MoEError(f"hidden_states must be [B, S, {self.hidden_size}], got {tuple(hidden_states.shape)}")
@@ -282,6 +318,8 @@ class DeepseekV41MoE(nn.Module):
         weights, indices = self.gate(x, None if image_rows is None else image_rows.reshape(-1))
         if self.numerics == "exact":
             out = self._routed_exact(x, weights, indices)
+        elif use_moe_experts_kernel(x, indices, self.routed_weight_dtype):
+            out = self._routed_kernels(x, weights, indices)
         else:
             out = self._routed_grouped(x, weights, indices)
         out += self.shared_experts(x)

@@ -1,0 +1,854 @@
+"""Routed MoE experts of DeepSeek-V4.1 for a few token rows (decode), in four launches, no host sync.
+
+Mirrors `inference/model.py: Expert.forward` and the routed half of `MoE.forward` for
+``numerics="fast"`` (REFERENCE.md sections 8 and 21.11). For each (token t, slot j) pair with expert
+``e = indices[t, j]`` and routing weight ``w = weights[t, j]`` (fp32)::
+
+    g = bf16(fq(x_t) @ W1_e^T).float()        u = bf16(fq(x_t) @ W3_e^T).float()
+    if swiglu_limit > 0:  u = clamp(u, -limit, limit);  g = clamp(g, max=limit)
+    h = bf16(w * (silu(g) * u))                            # fp32 products, one rounding
+    y = bf16(fq(h) @ W2_e^T)
+    out[t] = sum over the k slots, in ascending expert id, of y.float()   (fp32, from 0)
+
+``fq`` is the per-32 e4m3 activation fake-quant with power-of-two scales
+(`quantization_deepseek_v41_vl.fake_quant_fp8`) for fp4 / fp8 experts and the identity for bf16
+experts. The GEMMs accumulate exact products (fake-quantized activation x dequantized weight, both
+exact in bf16) in fp32, so the result equals the module math (`DeepseekV41Expert.forward` behind
+`DeepseekV41MoE._routed_grouped`) up to the fp32 summation order; a bf16 rounding of g, u, h or y
+can then differ by one ulp where the fp32 sums straddle a rounding boundary.
+
+Expert storage (read in place: the 3 x E parameters are not copied or stacked):
+
+- ``"fp4"`` (the release): weight float4_e2m1fn_x2 ``[N, K/2]``, even element in the low nibble;
+  scale float8_e8m0fnu ``[N, K/32]``;
+- ``"fp8"``: weight float8_e4m3fn ``[N, K]``; scale float8_e8m0fnu ``[ceil(N/32), ceil(K/32)]``;
+- ``"bf16"``: weight bf16 ``[N, K]``, no activation quantization.
+
+Design (:func:`moe_experts_triton`):
+
+1. **Pointer table.** :func:`build_expert_table` records, once, the byte (bf16: element) offset of
+   every expert's w1/w3/w2 weight and scale from one base tensor (expert 0's w1 weight / scale),
+   in an int64 ``[E, 6]`` tensor on the device. A program adds its expert's offset to the base
+   pointer; this keeps Triton's 16-byte alignment facts for the base (the offsets are checked to
+   be multiples of 16 elements), which a raw int-to-pointer cast would lose (that cast works
+   too, interpreter included, but gives byte-wise weight loads). :class:`ExpertTableCache`
+   rebuilds the table when the device, storage or the first / last expert's addresses change.
+2. **x fake-quant launch** (quantized experts only): ``fq(x)`` once per token row, bf16.
+3. **Gate-up launch**, grid ``(P, cdiv(I, BLOCK_N))`` over the ``P = T*k`` pairs in token-major
+   order: program (p, n) works for expert ``e = ids[p]`` only if p is that expert's first pair
+   (else it has nothing to do); it then takes all pairs of e (``BLOCK_M`` at a time, in pair
+   order), so each weight tile is read once per call however many tokens share the expert. The
+   tile product is "swap-AB": ``W[BLOCK_N, K] @ fq(x)^T[K, BLOCK_M]``, weight rows on the MMA's M
+   side (tokens are few). The epilogue rounds g and u to bf16 (ties to even, by bits), clamps,
+   applies silu and the routing weight, rounds h to bf16 and, for quantized experts, applies the
+   down projection's input fake-quant right there (a 32-group of h lies inside the program's
+   ``BLOCK_N`` columns): it stores ``fq(h)`` bf16 ``[P, I]``.
+4. **Down launch**, grid ``(P, cdiv(D, BLOCK_N))``, the same grouping, stores ``y`` bf16 ``[P, D]``.
+5. **Combine launch**, grid ``(T, cdiv(D, BLOCK_D))``: per token, the k slots are visited in
+   ascending expert id (repeated minimum) and added in fp32: ``out`` fp32 ``[T, D]``. No atomics;
+   every output element is written by one program, so results are run-to-run deterministic.
+
+Two ways to multiply by quantized weights (``mma``): ``"scaled"`` hands the packed fp4 / fp8 bytes
+and e8m0 scales to ``tl.dot_scaled`` (Triton's own upcast to bf16, then a bf16 MMA); ``"manual"``
+decodes the codes with integer / float ops to bf16 and calls ``tl.dot``. Both compute the same
+exact products. Triton's CPU interpreter gets both wrong for bf16 operands (``tl.dot`` outright,
+``tl.dot_scaled`` by rounding the bf16 operand through fp16), so there the kernels multiply fp32
+operands (exact), the "scaled" weight tile being decoded by ``tl.dot_scaled`` against the identity.
+
+Nothing here synchronizes with the host or has a data-dependent shape: the launches can be
+captured in a CUDA graph (build the table, i.e. run once, before capturing). Expert ids are not
+range-checked (a check would cost a sync); an id outside ``[0, E)`` is clamped into it for the
+address, giving a wrong but memory-safe result.
+
+Backends of :func:`moe_experts`: ``"triton"``; ``"torch"`` (:func:`moe_experts_torch`, the expert
+modules themselves, looped on the host); ``"auto"`` reads ``DEEPSEEK_V41_MOE_EXPERTS_BACKEND``,
+then picks Triton for CUDA tensors. On the CPU the kernels run only in Triton's interpreter
+(``TRITON_INTERPRET=1`` before Triton is imported).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+try:  # triton is optional: CPU-only installs use the torch fallback
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+
+from .kernel_backend import resolve_backend as _resolve_backend
+
+__all__ = [
+    "ENV_BACKEND",
+    "ENV_MMA",
+    "KERNEL_MAX_PAIRS",
+    "MAX_PAIRS",
+    "ExpertTableCache",
+    "ExpertWeightTable",
+    "MoEExpertsError",
+    "build_expert_table",
+    "combine_slots",
+    "expert_table_key",
+    "moe_experts",
+    "moe_experts_torch",
+    "moe_experts_triton",
+    "resolve_moe_experts_backend",
+    "use_moe_experts_kernel",
+]
+
+ENV_BACKEND = "DEEPSEEK_V41_MOE_EXPERTS_BACKEND"
+ENV_MMA = "DEEPSEEK_V41_MOE_EXPERTS_MMA"  # "scaled" or "manual": how quantized weights are multiplied
+# The kernels target decode: the MoE sends calls with more (token, slot) pairs to its grouped path.
+MAX_PAIRS = 64
+# Hard limit of one call: every program scans all pair ids ([BLOCK_M, P] compares per member chunk).
+KERNEL_MAX_PAIRS = 1024
+
+QUANT_GROUP = 32  # activation fake-quant group and e8m0 weight-scale group along K
+_FORMATS = {"bf16": 0, "fp4": 1, "fp8": 2}
+# weight offsets that are multiples of this many elements (>= 16 bytes) let the kernel promise
+# 16-byte alignment to Triton (vectorized, asynchronous weight loads)
+_ALIGN_ELEMENTS = 16
+
+
+class MoEExpertsError(ValueError):
+    """Bad arguments to the MoE expert kernels: shapes, dtypes, devices, storage or backend."""
+
+
+def resolve_moe_experts_backend(backend: str | None, device: torch.device) -> str:
+    """``"triton"`` or ``"torch"`` for tensors on `device`; ``None`` / ``"auto"`` read
+    ``DEEPSEEK_V41_MOE_EXPERTS_BACKEND`` first, then pick Triton on CUDA (`kernel_backend`).
+
+    Raises:
+        MoEExpertsError: an unknown backend name (argument or environment variable).
+    """
+    return _resolve_backend(backend, device, env_var=ENV_BACKEND, error=MoEExpertsError, what="MoE experts")
+
+
+def use_moe_experts_kernel(x: torch.Tensor, indices: torch.Tensor, weight_dtype: str, backend: str | None = "auto") -> bool:
+    """True when the routed experts of `x` ``[T, D]`` with `indices` ``[T, k]`` should run
+    :func:`moe_experts_triton`: the backend resolves to Triton, the storage is one the kernels read
+    (``"fp4"``, ``"fp8"``, ``"bf16"``), x is bf16 and ``T*k <= MAX_PAIRS``. Reads only shapes,
+    dtypes and the device (no synchronisation).
+
+    Raises:
+        MoEExpertsError: an unknown backend name.
+    """
+    chosen = resolve_moe_experts_backend(backend, x.device)
+    return (
+        chosen == "triton"
+        and weight_dtype in _FORMATS
+        and x.dtype == torch.bfloat16
+        and indices.numel() <= MAX_PAIRS
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# expert table
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class ExpertWeightTable:
+    """Where every expert's weights live, for the kernels. Built by :func:`build_expert_table`.
+
+    Attributes:
+        key: :func:`expert_table_key` of the experts it was built from.
+        fmt: ``"fp4"``, ``"fp8"`` or ``"bf16"``.
+        hidden_size, intermediate_size: ``D`` and ``I``.
+        n_experts: ``E``.
+        swiglu_limit: the experts' clamp (0 = none).
+        weight_base: expert 0's w1 weight (uint8 view for fp4 / fp8, bf16 otherwise).
+        scale_base: expert 0's w1 scale as uint8, or None for bf16.
+        offsets: int64 ``[E, 6]`` on the experts' device: offsets of (w1, w3, w2) weights from
+            `weight_base` and of (s1, s3, s2) scales from `scale_base`, in elements of the base.
+        aligned: every weight offset is a multiple of 16 elements (the kernels then tell Triton
+            so; true for separately allocated tensors).
+    """
+
+    key: tuple
+    fmt: str
+    hidden_size: int
+    intermediate_size: int
+    n_experts: int
+    swiglu_limit: float
+    weight_base: torch.Tensor
+    scale_base: torch.Tensor | None
+    offsets: torch.Tensor
+    aligned: bool
+
+
+def _linears(expert):
+    return expert.w1, expert.w3, expert.w2
+
+
+def expert_table_key(experts: Sequence) -> tuple:
+    """Cheap identity of a list of experts' storage: device, dtype, count, and the addresses of the
+    first and last expert's weights and scales. O(1) in the number of experts (a full check would
+    cost ~2k ``data_ptr`` calls per layer per step); replacing a *middle* expert's tensors without
+    touching the first or last one needs :meth:`ExpertTableCache.clear`."""
+    first, last = experts[0], experts[len(experts) - 1]
+    ptrs = []
+    for expert in (first, last):
+        for lin in _linears(expert):
+            ptrs.append(lin.weight.data_ptr())
+            ptrs.append(None if lin.scale is None else lin.scale.data_ptr())
+    return (first.w1.weight.device, first.w1.weight_dtype, len(experts), tuple(ptrs))
+
+
+def _check_tensor(t: torch.Tensor, shape: tuple, what: str, device: torch.device) -> None:
+    if tuple(t.shape) != shape:
+        raise MoEExpertsError(f"{what}: expected shape {shape}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise MoEExpertsError(f"{what} is not contiguous (the kernels index rows by a fixed stride)")
+    if t.device != device:
+        raise MoEExpertsError(f"{what} is on {t.device}, expert 0 on {device}")
+
+
+def build_expert_table(experts: Sequence) -> ExpertWeightTable:
+    """Record the storage of `experts` for :func:`moe_experts_triton`.
+
+    Args:
+        experts: a sequence of ``E`` SwiGLU experts as `DeepseekV41Expert` (attributes ``w1``,
+            ``w2``, ``w3``: `DeepseekV41Linear` with ``weight``, ``scale``, ``weight_dtype``,
+            ``in_features``, ``out_features``; and ``swiglu_limit``), all with one storage format
+            (``"fp4"``, ``"fp8"`` or ``"bf16"``), one shape and one device.
+
+    Returns:
+        An :class:`ExpertWeightTable`; its ``offsets`` tensor is copied to the device (a
+        host-to-device copy: build it before capturing a CUDA graph).
+
+    Raises:
+        MoEExpertsError: no experts, an unsupported or mixed storage format, mismatched shapes,
+            devices or swiglu limits, non-contiguous tensors, offsets not a whole number of base
+            elements, or a call while the current CUDA stream is being captured.
+    """
+    if len(experts) == 0:
+        raise MoEExpertsError("no experts")
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise MoEExpertsError(
+            "the expert table cannot be built during CUDA graph capture (it copies to the device): "
+            "run one call eagerly first"
+        )
+    first = experts[0]
+    fmt = first.w1.weight_dtype
+    if fmt not in _FORMATS:
+        raise MoEExpertsError(f"expert storage {fmt!r} is not supported by the kernels (one of {sorted(_FORMATS)})")
+    d, i = first.w1.in_features, first.w1.out_features
+    if d % QUANT_GROUP or i % QUANT_GROUP:
+        raise MoEExpertsError(f"hidden size {d} and expert width {i} must be multiples of {QUANT_GROUP}")
+    device = first.w1.weight.device
+    limit = float(first.swiglu_limit)
+    # logical [out, in] of w1, w3, w2
+    shapes = ((i, d), (i, d), (d, i))
+    weight_base = first.w1.weight
+    scale_base = first.w1.scale
+    elem = weight_base.element_size()
+    offsets = []
+    aligned = True
+    for e, expert in enumerate(experts):
+        if float(expert.swiglu_limit) != limit:
+            raise MoEExpertsError(f"expert {e} has swiglu_limit {expert.swiglu_limit}, expert 0 {limit}")
+        row_w, row_s = [], []
+        for name, lin, (n, k) in zip(("w1", "w3", "w2"), _linears(expert), shapes):
+            what = f"experts[{e}].{name}"
+            if lin.weight_dtype != fmt:
+                raise MoEExpertsError(f"{what} stores {lin.weight_dtype!r}, expert 0 {fmt!r}")
+            if (lin.out_features, lin.in_features) != (n, k):
+                raise MoEExpertsError(f"{what} is [{lin.out_features}, {lin.in_features}], expected [{n}, {k}]")
+            w_shape = (n, k // 2) if fmt == "fp4" else (n, k)
+            _check_tensor(lin.weight, w_shape, f"{what}.weight", device)
+            diff = lin.weight.data_ptr() - weight_base.data_ptr()
+            if diff % elem:
+                raise MoEExpertsError(f"{what}.weight is not element-aligned with experts[0].w1.weight")
+            aligned &= (diff // elem) % _ALIGN_ELEMENTS == 0
+            row_w.append(diff // elem)
+            if fmt == "bf16":
+                row_s.append(0)
+                continue
+            s_shape = (n, k // QUANT_GROUP) if fmt == "fp4" else (-(-n // QUANT_GROUP), -(-k // QUANT_GROUP))
+            _check_tensor(lin.scale, s_shape, f"{what}.scale", device)
+            row_s.append(lin.scale.data_ptr() - scale_base.data_ptr())
+        offsets.append(row_w + row_s)
+    table = torch.tensor(offsets, dtype=torch.int64).to(device)
+    return ExpertWeightTable(
+        key=expert_table_key(experts),
+        fmt=fmt,
+        hidden_size=d,
+        intermediate_size=i,
+        n_experts=len(experts),
+        swiglu_limit=limit,
+        weight_base=weight_base.detach().view(torch.uint8) if fmt != "bf16" else weight_base.detach(),
+        scale_base=None if scale_base is None else scale_base.detach().view(torch.uint8),
+        offsets=table,
+        aligned=bool(aligned),
+    )
+
+
+class ExpertTableCache:
+    """One :class:`ExpertWeightTable`, rebuilt when :func:`expert_table_key` of the experts changes
+    (``.to()``, a new device, replaced first / last expert parameters). Keep one per MoE module."""
+
+    def __init__(self):
+        self._table: ExpertWeightTable | None = None
+
+    def get(self, experts: Sequence) -> ExpertWeightTable:
+        """The table for `experts`, built on first use or after a storage change.
+
+        Raises:
+            MoEExpertsError: as :func:`build_expert_table`.
+        """
+        key = expert_table_key(experts)
+        if self._table is None or self._table.key != key:
+            self._table = build_expert_table(experts)
+        return self._table
+
+    def clear(self) -> None:
+        """Forget the table (call after replacing a middle expert's tensors in place)."""
+        self._table = None
+
+
+# ---------------------------------------------------------------------------------------------
+# torch fallback
+# ---------------------------------------------------------------------------------------------
+def _check_inputs(x, weights, indices, n_experts: int | None = None, hidden: int | None = None) -> None:
+    if x.dim() != 2:
+        raise MoEExpertsError(f"x must be [T, D], got shape {tuple(x.shape)}")
+    if x.dtype != torch.bfloat16:
+        raise MoEExpertsError(f"x must be bfloat16, got {x.dtype}")
+    if hidden is not None and x.size(1) != hidden:
+        raise MoEExpertsError(f"x has {x.size(1)} features, the experts take {hidden}")
+    if indices.dim() != 2 or indices.size(0) != x.size(0) or indices.size(1) == 0:
+        raise MoEExpertsError(f"indices must be [T={x.size(0)}, k>=1], got shape {tuple(indices.shape)}")
+    if indices.dtype not in (torch.int64, torch.int32):
+        raise MoEExpertsError(f"indices must be int64 (or int32), got {indices.dtype}")
+    if weights.shape != indices.shape or weights.dtype != torch.float32:
+        raise MoEExpertsError(
+            f"weights must be float32 {tuple(indices.shape)}, got {weights.dtype} {tuple(weights.shape)}"
+        )
+    for name, t in (("weights", weights), ("indices", indices)):
+        if t.device != x.device:
+            raise MoEExpertsError(f"{name} is on {t.device}, x on {x.device}")
+    if n_experts is not None and indices.size(1) > n_experts:
+        raise MoEExpertsError(f"{indices.size(1)} slots per token but only {n_experts} experts")
+
+
+def moe_experts_torch(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: Sequence) -> torch.Tensor:
+    """The routed experts through the expert modules themselves (host loop; for the CPU).
+
+    Each expert used runs once on its rows (in token order); per token the outputs are added in
+    fp32, in ascending expert id, from zero. With ``numerics="fast"`` modules this is the math the
+    kernels reproduce. Reads the expert ids on the host (a sync on CUDA).
+
+    Args:
+        x: bf16 ``[T, D]``. weights: fp32 ``[T, k]``. indices: int64 ``[T, k]`` in ``[0, E)``.
+        experts: sequence of ``E`` modules called as ``expert(x_rows, weights_rows[:, None])``.
+
+    Returns:
+        fp32 ``[T, D]``.
+
+    Raises:
+        MoEExpertsError: bad shapes / dtypes / devices, or an expert id outside ``[0, E)``.
+    """
+    _check_inputs(x, weights, indices, len(experts))
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if x.size(0) == 0:
+        return out
+    ids = indices.long()
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= len(experts):
+        raise MoEExpertsError(f"expert ids must be in [0, {len(experts)}), got [{lo}, {hi}]")
+    for e in torch.unique(ids).tolist():  # ascending: each row's sum runs in ascending expert id
+        rows, slots = torch.where(ids == e)
+        out[rows] += experts[e](x[rows], weights[rows, slots, None]).float()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _round_bf16(v):
+        # fp32 -> the fp32 value of the nearest bf16, ties to even (the interpreter's bf16 cast
+        # truncates; on the GPU this equals cvt.rn.bf16.f32); NaN stays NaN
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def _group_amax(v, ROWS: tl.constexpr, COLS: tl.constexpr, GROUP: tl.constexpr):
+        # max |v| over groups of GROUP consecutive columns: [ROWS, COLS] -> [ROWS, COLS // GROUP]
+        return tl.max(tl.reshape(tl.abs(v), (ROWS, COLS // GROUP, GROUP)), axis=2)
+
+    @triton.jit
+    def _fake_quant_e4m3(v, amax, ROWS: tl.constexpr, COLS: tl.constexpr, GROUP: tl.constexpr):
+        # `fake_quant_fp8` of fp32 v [ROWS, COLS] (bf16 values) with the groups' amax [ROWS, COLS // GROUP]:
+        # s = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))) by the exponent bits, q = e4m3(clamp(v/s)),
+        # returns q*s (exact in bf16) as fp32
+        prod = tl.maximum(amax, 1e-4) * (1.0 / 448.0)
+        bits = prod.to(tl.int32, bitcast=True)
+        expo = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        scale = (expo << 23).to(tl.float32, bitcast=True)
+        inv_scale = ((254 - expo) << 23).to(tl.float32, bitcast=True)  # 1/s, exact: s is a power of 2
+        q = tl.reshape(v, (ROWS, COLS // GROUP, GROUP)) * inv_scale[:, :, None]
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        # e4m3 round-to-nearest-even: 3 mantissa bits for |q| >= 2^-6; below, the subnormal step
+        # 2^-9 is reached by rounding |q| + 2^-6 (in [2^-6, 2^-5): step 2^-9) and subtracting 2^-6
+        mag = tl.abs(q)
+        sub = mag < 0.015625
+        t = tl.where(sub, mag + 0.015625, mag)
+        tb = t.to(tl.uint32, bitcast=True)
+        tb = ((tb + 0x7FFFF + ((tb >> 20) & 1)) >> 20) << 20
+        r = tb.to(tl.float32, bitcast=True)
+        r = tl.where(sub, r - 0.015625, r)
+        # the sign from v's bits, as the e4m3 cast keeps it (-0.0 for negatives that round to 0)
+        sign = (tl.reshape(v, (ROWS, COLS // GROUP, GROUP)).to(tl.uint32, bitcast=True) >> 31) << 31
+        r = (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        return tl.reshape(r * scale[:, :, None], (ROWS, COLS))
+
+    @triton.jit
+    def _e8m0_to_f32(b):
+        # e8m0 byte -> 2^(b-127) in fp32 (b = 0: the subnormal 2^-127; b = 255: NaN)
+        b = b.to(tl.int32)
+        bits = tl.where(b == 0, 0x00400000, tl.where(b == 255, 0x7FC00000, b << 23))
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _fp4_to_f32(code):
+        # E2M1 code (int32, bit 3 = sign) -> value: the code's bits placed as an fp16 (exponent
+        # field = E2M1 exponent, mantissa msb = E2M1 mantissa) is E2M1 * 2^-14, subnormals included
+        half = ((code & 7) << 9) | ((code & 8) << 12)
+        return half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+    @triton.jit
+    def _load_weight_tile(w_row_ptrs, s_row_ptrs, k0, FMT: tl.constexpr, MANUAL: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # One weight tile for the K step starting at k0.
+        # FMT 0 (bf16): (w [BLOCK_N, BLOCK_K] bf16, same)
+        # FMT 1 (fp4), scaled: (packed bytes [BLOCK_N, BLOCK_K/2], e8m0 scales [BLOCK_N, BLOCK_K/32])
+        # FMT 1, manual: (even columns [BLOCK_N, BLOCK_K/2] bf16, odd columns [BLOCK_N, BLOCK_K/2] bf16)
+        # FMT 2 (fp8), scaled: (e4m3 bytes [BLOCK_N, BLOCK_K], e8m0 scales [BLOCK_N, BLOCK_K/32])
+        # FMT 2, manual: (w [BLOCK_N, BLOCK_K] bf16, same)
+        # (single return: Triton wants one return type even across constexpr branches)
+        NG: tl.constexpr = BLOCK_K // 32
+        g = tl.arange(0, NG)
+        if FMT == 0:
+            wa = tl.load(w_row_ptrs + k0 + tl.arange(0, BLOCK_K)[None, :])
+            wb = wa
+        elif FMT == 1:
+            packed = tl.load(w_row_ptrs + k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :])
+            sc = tl.load(s_row_ptrs + k0 // 32 + g[None, :])
+            if MANUAL:
+                b = packed.to(tl.int32)
+                s = _e8m0_to_f32(sc)[:, :, None]
+                lo = tl.reshape(tl.reshape(_fp4_to_f32(b & 15), (BLOCK_N, NG, 16)) * s, (BLOCK_N, BLOCK_K // 2))
+                hi = tl.reshape(tl.reshape(_fp4_to_f32(b >> 4), (BLOCK_N, NG, 16)) * s, (BLOCK_N, BLOCK_K // 2))
+                wa = lo.to(tl.bfloat16)
+                wb = hi.to(tl.bfloat16)
+            else:
+                wa = packed
+                wb = sc
+        else:
+            raw = tl.load(w_row_ptrs + k0 + tl.arange(0, BLOCK_K)[None, :])
+            sc = tl.load(s_row_ptrs + k0 // 32 + g[None, :])
+            if MANUAL:
+                v = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                s = _e8m0_to_f32(sc)[:, :, None]
+                wa = tl.reshape(tl.reshape(v, (BLOCK_N, NG, 32)) * s, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
+                wb = wa
+            else:
+                wa = raw
+                wb = sc
+        return wa, wb
+
+    @triton.jit
+    def _weight_dot(acc, wa, wb, xa_t, xb_t, FMT: tl.constexpr, MANUAL: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        # acc [BLOCK_N, BLOCK_M] += W_tile @ x_tile^T with the pieces of `_load_weight_tile`; for
+        # fp4-manual xa_t / xb_t are the even / odd K columns of x^T, otherwise xa_t is all of x^T.
+        # UPCAST_DOT (the interpreter, whose bf16 tl.dot is wrong): fp32 operands, exact here.
+        if FMT == 1 and MANUAL:
+            if UPCAST_DOT:
+                acc += tl.dot(wa.to(tl.float32), xa_t.to(tl.float32))
+                acc += tl.dot(wb.to(tl.float32), xb_t.to(tl.float32))
+            else:
+                acc += tl.dot(wa, xa_t)
+                acc += tl.dot(wb, xb_t)
+        elif FMT == 0 or MANUAL:
+            if UPCAST_DOT:
+                acc += tl.dot(wa.to(tl.float32), xa_t.to(tl.float32))
+            else:
+                acc += tl.dot(wa, xa_t)
+        else:
+            if FMT == 1:
+                fmt: tl.constexpr = "e2m1"
+            else:
+                fmt: tl.constexpr = "e4m3"
+            if UPCAST_DOT:
+                # the interpreter's dot_scaled passes a bf16 operand through fp16 (it loses tiny and
+                # huge activations); decode the weight tile with dot_scaled against the identity
+                # (one exact product per output) and multiply in fp32. On the GPU the bf16 operand
+                # goes to the MMA unchanged (checked in the TTGIR: fp4_to_fp, scale, wgmma).
+                eye = tl.where(tl.arange(0, BLOCK_K)[:, None] == tl.arange(0, BLOCK_K)[None, :], 1.0, 0.0)
+                w_dec = tl.dot_scaled(wa, wb, fmt, eye.to(tl.bfloat16), None, "bf16")
+                acc += tl.dot(w_dec, xa_t.to(tl.float32))
+            else:
+                acc = tl.dot_scaled(wa, wb, fmt, xa_t, None, "bf16", acc)
+        return acc
+
+    @triton.jit
+    def _load_act_t(a_ptr, row_off, valid, k0, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        # The (already fake-quantized) bf16 activation tile of the K step at k0, transposed for the
+        # swap-AB product: [BLOCK_K, BLOCK_M] twice, or with SPLIT (fp4-manual) its even and odd
+        # K columns, [BLOCK_K/2, BLOCK_M] each. Rows that are not valid read 0.
+        if SPLIT:
+            ptrs = a_ptr + row_off[:, None] + k0 + 2 * tl.arange(0, BLOCK_K // 2)[None, :]
+            xa_t = tl.trans(tl.load(ptrs, mask=valid[:, None], other=0.0))
+            xb_t = tl.trans(tl.load(ptrs + 1, mask=valid[:, None], other=0.0))
+        else:
+            ptrs = a_ptr + row_off[:, None] + k0 + tl.arange(0, BLOCK_K)[None, :]
+            xa_t = tl.trans(tl.load(ptrs, mask=valid[:, None], other=0.0))
+            xb_t = xa_t
+        return xa_t, xb_t
+
+    @triton.jit
+    def _fake_quant_rows_kernel(x_ptr, out_ptr, D, stride_x, BLOCK_G: tl.constexpr):
+        # out[t] = fake_quant_fp8(x[t]) for one token row and BLOCK_G groups of 32 columns
+        t = tl.program_id(0).to(tl.int64)
+        groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+        cols = groups[:, None] * 32 + tl.arange(0, 32)[None, :]
+        ok = cols < D
+        v = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        q = _fake_quant_e4m3(v, _group_amax(v, BLOCK_G, 32, 32), BLOCK_G, 32, 32)
+        tl.store(out_ptr + t * D + cols, q.to(tl.bfloat16), mask=ok)
+
+    @triton.jit
+    def _moe_expert_gemm_kernel(
+        a_ptr,  # bf16 activations: gate-up x [T, K]; down h [P, K]
+        ids_ptr,  # int64 / int32 [P] expert of each (token, slot) pair, token-major
+        rw_ptr,  # fp32 [P] routing weights (gate-up only)
+        w_base,  # weight base: uint8 (fp4 / fp8) or bf16
+        s_base,  # uint8 scale base (unused for bf16)
+        offs_ptr,  # int64 [E, 6] offsets from the bases
+        out_ptr,  # bf16 [P, N]
+        n_pairs,
+        n_experts,
+        N,
+        K,
+        stride_a,
+        w_row_stride,  # elements of w_base per weight row
+        s_row_stride,  # bytes per scale row
+        limit,
+        GATE_UP: tl.constexpr,
+        TOP_K: tl.constexpr,
+        FMT: tl.constexpr,
+        MANUAL: tl.constexpr,
+        HAS_LIMIT: tl.constexpr,
+        ALIGNED: tl.constexpr,
+        UPCAST_DOT: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        n_blk = tl.program_id(1)
+        # this program's expert and all pairs routed to it; only the expert's first pair's
+        # programs work, the others leave (n_members = 0)
+        pairs = tl.arange(0, BLOCK_P)
+        ids = tl.load(ids_ptr + pairs, mask=pairs < n_pairs, other=-1).to(tl.int32)
+        expert = tl.load(ids_ptr + pid).to(tl.int32)
+        same = (ids == expert).to(tl.int32)
+        n_before = tl.sum(tl.where(pairs < pid, same, 0))
+        n_members = tl.where(n_before == 0, tl.sum(same), 0)
+        rank = tl.cumsum(same, axis=0) - same  # position of each pair among the expert's pairs
+        e = tl.minimum(tl.maximum(expert, 0), n_experts - 1).to(tl.int64)  # memory safety only
+
+        rows_n = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_ld = tl.minimum(rows_n, N - 1).to(tl.int64)  # unmasked loads; the store is masked
+        if GATE_UP:
+            wa_off = tl.load(offs_ptr + e * 6 + 0)
+            wb_off = tl.load(offs_ptr + e * 6 + 1)
+            sa_off = tl.load(offs_ptr + e * 6 + 3)
+            sb_off = tl.load(offs_ptr + e * 6 + 4)
+        else:
+            wa_off = tl.load(offs_ptr + e * 6 + 2)
+            wb_off = wa_off
+            sa_off = tl.load(offs_ptr + e * 6 + 5)
+            sb_off = sa_off
+        if ALIGNED:
+            wa_off = tl.multiple_of(wa_off, 16)
+            wb_off = tl.multiple_of(wb_off, 16)
+        if FMT == 2:
+            s_rows = (rows_ld // 32) * s_row_stride  # one fp8 scale per 32 x 32 block
+        else:
+            s_rows = rows_ld * s_row_stride
+        wa_rows = w_base + wa_off + rows_ld[:, None] * w_row_stride
+        wb_rows = w_base + wb_off + rows_ld[:, None] * w_row_stride
+        sa_rows = s_base + sa_off + s_rows[:, None]
+        sb_rows = s_base + sb_off + s_rows[:, None]
+
+        slots = tl.arange(0, BLOCK_M)
+        for m0 in range(0, n_members, BLOCK_M):
+            pick = (same[None, :] != 0) & (rank[None, :] == (m0 + slots)[:, None])  # [BLOCK_M, BLOCK_P]
+            valid = tl.sum(pick.to(tl.int32), axis=1) > 0
+            pair = tl.sum(tl.where(pick, pairs[None, :], 0), axis=1)
+            if GATE_UP:
+                row_off = (pair // TOP_K).to(tl.int64) * stride_a
+            else:
+                row_off = pair.to(tl.int64) * stride_a
+            acc_a = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_b = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                xa_t, xb_t = _load_act_t(a_ptr, row_off, valid, k0, FMT == 1 and MANUAL, BLOCK_M, BLOCK_K)
+                w0, w1 = _load_weight_tile(wa_rows, sa_rows, k0, FMT, MANUAL, BLOCK_N, BLOCK_K)
+                acc_a = _weight_dot(acc_a, w0, w1, xa_t, xb_t, FMT, MANUAL, UPCAST_DOT, BLOCK_K)
+                if GATE_UP:
+                    w0, w1 = _load_weight_tile(wb_rows, sb_rows, k0, FMT, MANUAL, BLOCK_N, BLOCK_K)
+                    acc_b = _weight_dot(acc_b, w0, w1, xa_t, xb_t, FMT, MANUAL, UPCAST_DOT, BLOCK_K)
+            if GATE_UP:
+                gate = _round_bf16(acc_a)  # the linears' bf16 outputs, then .float()
+                up = _round_bf16(acc_b)
+                if HAS_LIMIT:
+                    up = tl.minimum(tl.maximum(up, -limit), limit)
+                    gate = tl.minimum(gate, limit)
+                act = tl.div_rn(gate, 1.0 + tl.exp(-gate)) * up  # silu(g) * u, as torch
+                rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
+                res = tl.trans(_round_bf16(rw[None, :] * act))  # h: [BLOCK_M, BLOCK_N]
+                if FMT != 0:
+                    # the down projection's input quantization, done here: a 32-group of h
+                    # lies inside this program's columns (BLOCK_N is a multiple of 32)
+                    res = _fake_quant_e4m3(res, _group_amax(res, BLOCK_M, BLOCK_N, 32), BLOCK_M, BLOCK_N, 32)
+            else:
+                res = tl.trans(_round_bf16(acc_a))
+            out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * N + rows_n[None, :]
+            tl.store(out_ptrs, res.to(tl.bfloat16), mask=valid[:, None] & (rows_n < N)[None, :])
+
+    @triton.jit
+    def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, D, TOP_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                            BLOCK_D: tl.constexpr):
+        # out[t] = sum of y[t*k + slot] over the slots in ascending expert id, fp32, from 0
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        col_ok = cols < D
+        slots = tl.arange(0, BLOCK_S)
+        ids = tl.load(ids_ptr + t * TOP_K + slots, mask=slots < TOP_K, other=2147483647).to(tl.int32)
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for _ in tl.static_range(TOP_K):
+            lowest = tl.min(ids, axis=0)
+            slot = tl.min(tl.where(ids == lowest, slots, BLOCK_S), axis=0)
+            acc += tl.load(y_ptr + (t * TOP_K + slot) * D + cols, mask=col_ok, other=0.0).to(tl.float32)
+            ids = tl.where(slots == slot, 2147483647, ids)
+        tl.store(out_ptr + t * D + cols, acc, mask=col_ok)
+
+
+def _kernels_interpreted() -> bool:
+    # triton.jit picks the interpreter when the kernel is *defined* (TRITON_INTERPRET at import)
+    return triton is not None and type(_moe_expert_gemm_kernel).__name__ == "InterpretedFunction"
+
+
+def _default_mma() -> str:
+    choice = (os.environ.get(ENV_MMA) or "").lower()
+    if choice in ("scaled", "manual"):
+        return choice
+    if choice:
+        raise MoEExpertsError(f"{ENV_MMA} must be 'scaled' or 'manual', got {choice!r}")
+    return "scaled" if hasattr(tl, "dot_scaled") else "manual"
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) per launch; the interpreter uses small tiles (speed)
+_GPU_CONFIG = {"gate_up": (64, 128, 4, 3), "down": (64, 128, 4, 3)}
+_INTERPRET_CONFIG = {"gate_up": (32, 32, 1, 1), "down": (16, 32, 1, 1)}
+
+
+def _block_k(k: int, want: int) -> int:
+    block = want
+    while k % block:
+        block //= 2
+    return block
+
+
+def moe_experts_triton(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    table: ExpertWeightTable,
+    mma: str | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """The routed experts in four Triton launches (three for bf16 experts; module docstring), no
+    host sync.
+
+    Args:
+        x: bf16 ``[T, D]`` token rows (any row stride, unit column stride).
+        weights: fp32 ``[T, k]`` routing weights. indices: int64 ``[T, k]`` expert ids in
+            ``[0, E)`` (not checked: see the module docstring), distinct within a row.
+        table: from :func:`build_expert_table` / :class:`ExpertTableCache`, on x's device.
+        mma: ``"scaled"`` (``tl.dot_scaled``), ``"manual"``, or None: ``DEEPSEEK_V41_MOE_EXPERTS_MMA``,
+            else ``"scaled"`` where Triton has it. Ignored for bf16 experts.
+        config: per launch ``{"gate_up": (BLOCK_N, BLOCK_K, num_warps, num_stages), "down": (...),
+            "block_m": 16}`` overrides (benchmarks sweep these); BLOCK_K is halved until it divides K.
+            ``block_m`` (pairs of one expert per MMA, a power of 2) must be >= 16 on the GPU.
+
+    Returns:
+        fp32 ``[T, D]``: the sum over each row's k experts, in ascending expert id.
+
+    Raises:
+        MoEExpertsError: Triton missing, CPU tensors without the interpreter, bad shapes / dtypes /
+            devices, ``T*k`` above ``KERNEL_MAX_PAIRS`` (1024), a bad `config`, or an unknown `mma`.
+    """
+    if triton is None:
+        raise MoEExpertsError("backend 'triton' needs the triton package, which is not installed")
+    interpret = _kernels_interpreted()
+    if not x.is_cuda and not interpret:
+        raise MoEExpertsError(
+            "backend 'triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
+            "before triton is imported"
+        )
+    _check_inputs(x, weights, indices, table.n_experts, table.hidden_size)
+    if table.offsets.device != x.device:
+        raise MoEExpertsError(f"the expert table is on {table.offsets.device}, x on {x.device}")
+    mma = _default_mma() if mma is None else mma
+    if mma not in ("scaled", "manual"):
+        raise MoEExpertsError(f"mma must be 'scaled' or 'manual', got {mma!r}")
+    n_tokens, top_k = indices.shape
+    n_pairs = n_tokens * top_k
+    if n_pairs > KERNEL_MAX_PAIRS:
+        raise MoEExpertsError(
+            f"{n_pairs} (token, slot) pairs: the kernels are for decode-sized calls (<= {KERNEL_MAX_PAIRS})"
+        )
+    d, inter = table.hidden_size, table.intermediate_size
+    out = torch.empty(n_tokens, d, dtype=torch.float32, device=x.device)
+    if n_pairs == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    ids = indices.reshape(-1)
+    ids = ids if ids.is_contiguous() else ids.contiguous()
+    rw = weights.reshape(-1).contiguous()
+    h = torch.empty(n_pairs, inter, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device)
+
+    fmt = _FORMATS[table.fmt]
+    defaults = _INTERPRET_CONFIG if interpret else _GPU_CONFIG
+    config = {**defaults, **(config or {})}
+    block_m = int(config.get("block_m", 16))
+    if block_m < 1 or block_m & (block_m - 1) or (block_m < 16 and not interpret):
+        raise MoEExpertsError(f"block_m must be a power of 2 (>= 16 on the GPU), got {block_m}")
+    block_p = max(16, triton.next_power_of_2(n_pairs))
+    scale_base = table.scale_base if table.scale_base is not None else table.offsets  # dummy, never read
+    common = dict(
+        TOP_K=top_k,
+        FMT=fmt,
+        MANUAL=mma == "manual",
+        HAS_LIMIT=table.swiglu_limit > 0,
+        ALIGNED=table.aligned,
+        UPCAST_DOT=interpret,
+        BLOCK_P=block_p,
+        BLOCK_M=block_m,
+    )
+
+    def launch(gate_up: bool, a, n, k, out_t):
+        block_n, block_k, warps, stages = config["gate_up" if gate_up else "down"]
+        block_k = _block_k(k, block_k)
+        if block_k < QUANT_GROUP:
+            raise MoEExpertsError(f"K={k} has no block size >= {QUANT_GROUP} dividing it")
+        if gate_up and block_n % QUANT_GROUP:
+            raise MoEExpertsError(f"gate_up BLOCK_N={block_n} must be a multiple of {QUANT_GROUP} (h is quantized per 32)")
+        if table.fmt == "fp4":
+            w_row, s_row = k // 2, k // QUANT_GROUP
+        elif table.fmt == "fp8":
+            w_row, s_row = k, -(-k // QUANT_GROUP)
+        else:
+            w_row, s_row = k, 0
+        grid = (n_pairs, triton.cdiv(n, block_n))
+        _moe_expert_gemm_kernel[grid](
+            a, ids, rw, table.weight_base, scale_base, table.offsets, out_t,
+            n_pairs, table.n_experts, n, k, a.stride(0), w_row, s_row, float(table.swiglu_limit),
+            GATE_UP=gate_up, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **common,
+        )
+
+    if fmt != 0:  # the gate-up input quantization, once per token row
+        xq = torch.empty(n_tokens, d, dtype=torch.bfloat16, device=x.device)
+        block_g = min(64, triton.next_power_of_2(d // QUANT_GROUP))
+        _fake_quant_rows_kernel[(n_tokens, triton.cdiv(d // QUANT_GROUP, block_g))](
+            x, xq, d, x.stride(0), BLOCK_G=block_g, num_warps=4
+        )
+        x = xq
+    launch(True, x, inter, d, h)
+    launch(False, h, d, inter, y)
+    return _combine(y, ids, n_tokens, top_k, out)
+
+
+def _combine(y, ids, n_tokens, top_k, out):
+    d = y.size(1)
+    block_d = min(1024, triton.next_power_of_2(d))
+    _moe_combine_kernel[(n_tokens, triton.cdiv(d, block_d))](
+        y, ids, out, d, TOP_K=top_k, BLOCK_S=max(2, triton.next_power_of_2(top_k)), BLOCK_D=block_d,
+        num_warps=4,
+    )
+    return out
+
+
+def combine_slots(y: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The last launch of :func:`moe_experts_triton` on its own: ``out[t] = sum over slots j, in
+    ascending ``indices[t, j]``, of y[t*k + j].float()`` (fp32, from 0).
+
+    Args:
+        y: bf16 ``[T*k, D]``, one row per (token, slot) pair, token-major, contiguous.
+        indices: int64 / int32 ``[T, k]`` expert ids (distinct within a row).
+
+    Returns:
+        fp32 ``[T, D]``.
+
+    Raises:
+        MoEExpertsError: Triton unusable here, or shapes / dtypes that do not fit.
+    """
+    if triton is None or (not y.is_cuda and not _kernels_interpreted()):
+        raise MoEExpertsError("combine_slots needs Triton on CUDA, or its interpreter (TRITON_INTERPRET=1)")
+    if indices.dim() != 2 or indices.dtype not in (torch.int64, torch.int32) or indices.device != y.device:
+        raise MoEExpertsError(f"indices must be int64 [T, k] on {y.device}, got {indices.dtype} {tuple(indices.shape)}")
+    n_tokens, top_k = indices.shape
+    if y.dim() != 2 or y.size(0) != n_tokens * top_k or y.dtype != torch.bfloat16 or not y.is_contiguous():
+        raise MoEExpertsError(f"y must be contiguous bf16 [{n_tokens * top_k}, D], got {y.dtype} {tuple(y.shape)}")
+    out = torch.empty(n_tokens, y.size(1), dtype=torch.float32, device=y.device)
+    if n_tokens == 0 or top_k == 0:
+        return out.zero_()
+    return _combine(y, indices.reshape(-1).contiguous(), n_tokens, top_k, out)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    indices: torch.Tensor,
+    experts: Sequence,
+    cache: ExpertTableCache | None = None,
+    backend: str | None = "auto",
+) -> torch.Tensor:
+    """Routed experts of a MoE for few rows: ``sum_j expert_{indices[t,j]}(x_t, weights[t,j])``.
+
+    Mirrors the routed half of `inference/model.py: MoE.forward` (``numerics="fast"``).
+
+    Args:
+        x: bf16 ``[T, D]``. weights: fp32 ``[T, k]``. indices: int64 ``[T, k]``.
+        experts: the ``E`` expert modules (`DeepseekV41Expert`).
+        cache: where the Triton backend keeps its :class:`ExpertWeightTable` (a fresh one, built
+            now, when None).
+        backend: ``"triton"``, ``"torch"`` (:func:`moe_experts_torch`), ``"auto"`` / None
+            (``DEEPSEEK_V41_MOE_EXPERTS_BACKEND``, else Triton on CUDA).
+
+    Returns:
+        fp32 ``[T, D]``.
+
+    Raises:
+        MoEExpertsError: as :func:`moe_experts_triton` / :func:`moe_experts_torch`, or an unknown
+            backend.
+    """
+    if resolve_moe_experts_backend(backend, x.device) == "torch":
+        return moe_experts_torch(x, weights, indices, experts)
+    table = (cache or ExpertTableCache()).get(experts)
+    return moe_experts_triton(x, weights, indices, table)
