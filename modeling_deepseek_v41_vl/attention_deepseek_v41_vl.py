@@ -553,6 +553,35 @@ class _Latents:
         return buffer
 
 
+@dataclass
+class DecodeProjections:
+    """What a one-token step computes from the token alone (fixed shapes, CUDA-graph safe), handed
+    to the cache-dependent middle (:meth:`DeepseekV41Attention.decode_attend`). Fields a layer
+    does not have are None.
+
+    Attributes:
+        index_q, index_weights: the indexer's fp4 query ``[B, 1, IH, Id]`` and head weights
+            ``[B, 1, IH]`` (index sources).
+        compressor_kv, compressor_score: fp32 ``[B, 1, D]`` projections of the ratio-2 compressor.
+        latent: the latent this step completes, normalized ``[B, 1, D]`` (pre-RoPE): every step of
+            a ratio-1 compressor; for ratio > 1 the steps that end a group (pooled with the parked
+            slots, which the caller passes in);
+        latent_kv: its RoPE'd fp4 compressed-KV row; latent_k: its fp4 index key (owners of keys).
+    """
+
+    index_q: torch.Tensor | None = None
+    index_weights: torch.Tensor | None = None
+    compressor_kv: torch.Tensor | None = None
+    compressor_score: torch.Tensor | None = None
+    latent: torch.Tensor | None = None
+    latent_kv: torch.Tensor | None = None
+    latent_k: torch.Tensor | None = None
+
+    def as_tuple(self) -> tuple:
+        return (self.index_q, self.index_weights, self.compressor_kv, self.compressor_score,
+                self.latent, self.latent_kv, self.latent_k)
+
+
 class DeepseekV41Compressor(nn.Module):
     """Pools `ratio` consecutive tokens into one KV latent (returned before RoPE).
 
@@ -586,8 +615,10 @@ class DeepseekV41Compressor(nn.Module):
         start_pos: int,
         cache: DeepseekV41LayerAttentionCache,
         pad_offsets: torch.Tensor | None = None,
+        projected: DecodeProjections | None = None,
     ) -> _Latents | None:
         """x bf16 ``[B, S, dim]`` at padded columns start_pos.. -> the latents it completes, or None.
+        `projected`: a one-token step's :meth:`decode_project` output (same values, computed earlier).
 
         Raises:
             DeepseekV41AttentionError: a forward after position 0 before any prefill.
@@ -595,7 +626,7 @@ class DeepseekV41Compressor(nn.Module):
         ratio, dtype = self.ratio, x.dtype
         bsz, seqlen, _ = x.shape
         if ratio == 1:
-            latent = self.norm(self.wkv(x))
+            latent = projected.latent if projected is not None else self.norm(self.wkv(x))
             pos = torch.arange(start_pos, start_pos + seqlen, device=x.device)
             if pad_offsets is None:
                 return _Latents(latent, pos, first=start_pos)
@@ -611,27 +642,54 @@ class DeepseekV41Compressor(nn.Module):
             raise DeepseekV41AttentionError("a forward after position 0 before any prefill: the compressor has no state")
         if start_pos == 0:
             self._new_state(x, cache)  # a new sequence (left-padded prefill)
+        kv_score = None if projected is None else (projected.compressor_kv, projected.compressor_score)
         if seqlen == 1 and pad_offsets is None:
-            return self._step(x, start_pos, cache)
-        return self._continue(x, start_pos, cache, pad_offsets)
+            return self._step(x, start_pos, cache, kv_score, None if projected is None else projected.latent)
+        return self._continue(x, start_pos, cache, pad_offsets, kv_score)
+
+    def decode_project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A one-token step's projections of `x` ``[B, 1, dim]``: ratio 1 ``(latent,)`` (normalized,
+        pre-RoPE), ratio 2 ``(kv, score)`` fp32."""
+        if self.ratio == 1:
+            return (self.norm(self.wkv(x)),)
+        xf = x.float()
+        return self.wkv(xf), self.wgate(xf)
+
+    def pool_last(self, parked_kv: torch.Tensor, parked_score: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, dtype):
+        """The latent of a group ended by a step's `kv`/`score` ``[B, 1, D]`` after the parked slots
+        ``[B, ratio, D]`` (the last one is the step's own and ignored): normalized ``[B, 1, D]``,
+        the same operations as :meth:`_step`."""
+        group_kv = torch.cat([parked_kv[:, : self.ratio - 1], kv], dim=1)
+        group_score = torch.cat([parked_score[:, : self.ratio - 1], score], dim=1)
+        pooled = (group_kv * group_score.softmax(dim=1)).sum(dim=1, keepdim=True)
+        return self.norm(pooled.to(dtype))
+
+    def ends_group(self, start_pos: int) -> bool:
+        """Whether a one-token step at `start_pos` (no padding) completes a group."""
+        return self.ratio > 1 and (start_pos + 1) % self.ratio == 0
 
     def _new_state(self, x: torch.Tensor, cache: DeepseekV41LayerAttentionCache) -> None:
         head_dim = self.wkv.out_features
         cache.compressor_kv = x.new_zeros(x.size(0), self.ratio, head_dim, dtype=torch.float32)
         cache.compressor_score = x.new_full((x.size(0), self.ratio, head_dim), -torch.inf, dtype=torch.float32)
 
-    def _step(self, x: torch.Tensor, start_pos: int, cache: DeepseekV41LayerAttentionCache) -> _Latents | None:
-        """One decode token (no padding): the reference's slot update, a latent when the group ends."""
+    def _step(
+        self, x: torch.Tensor, start_pos: int, cache: DeepseekV41LayerAttentionCache, kv_score=None, latent=None
+    ) -> _Latents | None:
+        """One decode token (no padding): the reference's slot update, a latent when the group ends
+        (`latent`: that latent, already pooled by :meth:`pool_last`)."""
         ratio = self.ratio
-        xf = x.float()
+        kv, score = kv_score if kv_score is not None else self.decode_project(x)
         slot = start_pos % ratio
-        cache.compressor_kv[:, slot] = self.wkv(xf).squeeze(1)
-        cache.compressor_score[:, slot] = self.wgate(xf).squeeze(1)
+        cache.compressor_kv[:, slot] = kv.squeeze(1)
+        cache.compressor_score[:, slot] = score.squeeze(1)
         if (start_pos + 1) % ratio:
             return None
-        pooled = (cache.compressor_kv * cache.compressor_score.softmax(dim=1)).sum(dim=1, keepdim=True)
+        if latent is None:
+            pooled = (cache.compressor_kv * cache.compressor_score.softmax(dim=1)).sum(dim=1, keepdim=True)
+            latent = self.norm(pooled.to(x.dtype))
         group = start_pos // ratio
-        return _Latents(self.norm(pooled.to(x.dtype)), torch.arange(group, group + 1, device=x.device), first=group)
+        return _Latents(latent, torch.arange(group, group + 1, device=x.device), first=group)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 kv and score ``[B, S, D]`` of every row (fast numerics: in row chunks)."""
@@ -647,7 +705,12 @@ class DeepseekV41Compressor(nn.Module):
         return torch.cat(kvs, dim=1), torch.cat(scores, dim=1)
 
     def _continue(
-        self, x: torch.Tensor, start_pos: int, cache: DeepseekV41LayerAttentionCache, pad_offsets: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        start_pos: int,
+        cache: DeepseekV41LayerAttentionCache,
+        pad_offsets: torch.Tensor | None,
+        kv_score: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> _Latents | None:
         """Any forward but a plain prefill or decode step: a prefill chunk after position 0, or a
         left-padded batch (prefill or step).
@@ -660,7 +723,7 @@ class DeepseekV41Compressor(nn.Module):
         ratio, dtype = self.ratio, x.dtype
         bsz, seqlen, _ = x.shape
         device = x.device
-        kv, score = self._project(x)
+        kv, score = kv_score if kv_score is not None else self._project(x)
         pads = (
             torch.zeros(bsz, dtype=torch.int64, device=device)
             if pad_offsets is None
@@ -769,10 +832,23 @@ class DeepseekV41Indexer(nn.Module):
             self.wk = DeepseekV41Linear(config.head_dim, self.head_dim, "bf16", numerics)
             self.k_norm = DeepseekV41RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def publish_keys(self, latents: _Latents, latent_freqs: torch.Tensor, state: DeepseekV41AttentionState) -> None:
-        """Turn this forward's pre-RoPE latents into index keys, store and publish them."""
-        k = apply_rotary(self.k_norm(self.wk(latents.values)), latent_freqs)
-        k = fake_quant_fp4(k, *INDEXER_FP4)
+    def index_keys_of(self, latent: torch.Tensor, latent_freqs: torch.Tensor) -> torch.Tensor:
+        """Index keys of pre-RoPE latents ``[B, n, D]``: fp4(RoPE(k_norm(wk(latent)))) ``[B, n, Id]``."""
+        return fake_quant_fp4(apply_rotary(self.k_norm(self.wk(latent)), latent_freqs), *INDEXER_FP4)
+
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Index queries fp4(RoPE(wq_b(qr))) ``[B, n, IH, Id]`` and head weights ``[B, n, IH]``."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        q = fake_quant_fp4(apply_rotary(q, freqs), *INDEXER_FP4)
+        return q, self.weights_proj(x) * self.weights_scale
+
+    def publish_keys(
+        self, latents: _Latents, latent_freqs: torch.Tensor | None, state: DeepseekV41AttentionState, k: torch.Tensor | None = None
+    ) -> None:
+        """Turn this forward's pre-RoPE latents into index keys (or take `k`, already computed),
+        store and publish them."""
+        if k is None:
+            k = self.index_keys_of(latents.values, latent_freqs)
         layer_cache = state.cache.layer(self.layer_id)
         layer_cache.index_k = latents.store(layer_cache.index_k, k, fresh=state.start_pos == 0)
         state.cache.publish_index_keys(self.layer_id, None if latents.valid is None else latents.valid.any(dim=1))
@@ -785,11 +861,13 @@ class DeepseekV41Indexer(nn.Module):
         state: DeepseekV41AttentionState,
         offset: int,
         positions: torch.Tensor | None = None,
+        queries: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """x ``[B, S, dim]`` (attn_norm output), qr ``[B, S, q_lora]``, freqs the queries' rotation
         (``[S, rd/2]`` or per row ``[B, S, rd/2]``), positions the queries' positions (``[S]`` or
         ``[B, S]``, default from `state`) -> int32 ``[B, S, min(index_topk, T)]`` indices into the
-        concatenated KV, T = the compressed positions of the longest row so far.
+        concatenated KV, T = the compressed positions of the longest row so far. `queries`: the
+        one-token step's :meth:`queries` output, computed earlier.
 
         Raises:
             DeepseekV41AttentionError: no index keys published yet, or a candidate user running
@@ -800,12 +878,15 @@ class DeepseekV41Indexer(nn.Module):
             positions = state.positions(seqlen, x.device)
         index_k = state.cache.index_keys(state.max_real_end(seqlen) // self.ratio, self.layer_id)
         chunk = _query_chunk(self.numerics, bsz * self.n_heads * index_k.size(1), x.device) or seqlen
+        if queries is not None and seqlen != 1:
+            raise DeepseekV41AttentionError("precomputed index queries are for a one-token step")
         idxs, scores_kept, candidates = [], [], []
         for row0 in range(0, seqlen, chunk):
             rows = slice(row0, min(row0 + chunk, seqlen))
-            q = self.wq_b(qr[:, rows]).unflatten(-1, (self.n_heads, self.head_dim))
-            q = fake_quant_fp4(apply_rotary(q, freqs[..., rows, :]), *INDEXER_FP4)
-            weights = self.weights_proj(x[:, rows]) * self.weights_scale
+            if queries is not None:
+                q, weights = queries
+            else:
+                q, weights = self.queries(x[:, rows], qr[:, rows], freqs[..., rows, :])
             if self.numerics != "exact":
                 found = self._select(q, weights, index_k, state, rows, offset, positions[..., rows])
             elif state.pad_offsets is not None:
@@ -1054,18 +1135,20 @@ class DeepseekV41Attention(nn.Module):
         return window_kv, chunk_window_idxs(win, bsz, seqlen, start_pos, state.pad_offsets, x.device, span)
 
     # -- compressed KV ------------------------------------------------------------------------
-    def _compressed_kv(self, x, qr, freqs, state: DeepseekV41AttentionState, offset: int):
+    def _compressed_kv(self, x, qr, freqs, state: DeepseekV41AttentionState, offset: int, pre: DecodeProjections | None = None):
         bsz, seqlen, _ = x.shape
         start_pos, ratio = state.start_pos, self.ratio
         compress_len = state.max_real_end(seqlen) // ratio
         latents = latent_freqs = None
+        have_latent_rows = pre is not None and pre.latent_kv is not None  # ratio 1: made by decode_project
         if self.is_kv_source:
-            latents = self.compressor(x, start_pos, state.cache.layer(self.layer_id), state.pad_offsets)
+            latents = self.compressor(x, start_pos, state.cache.layer(self.layer_id), state.pad_offsets, pre)
             if latents is not None:
-                latent_freqs = self.rotary(latents.groups * ratio)  # each latent at its group's first token
+                if not have_latent_rows:
+                    latent_freqs = self.rotary(latents.groups * ratio)  # each latent at its group's first token
                 # index keys come from the latent before RoPE
                 if self.indexer is not None and self.indexer.owns_k and compress_len > 0:
-                    self.indexer.publish_keys(latents, latent_freqs, state)
+                    self.indexer.publish_keys(latents, latent_freqs, state, None if pre is None else pre.latent_k)
 
         if self.is_index_source:
             if compress_len == 0:
@@ -1073,7 +1156,8 @@ class DeepseekV41Attention(nn.Module):
                 width = min(self.indexer.index_topk, max(state.rank_ends(seqlen)) // ratio) if self.numerics == "exact" else 0
                 idxs = torch.full((bsz, seqlen, width), -1, dtype=torch.int32, device=x.device)
             else:
-                idxs = self.indexer(x, qr, freqs, state, offset)
+                queries = None if pre is None or pre.index_q is None else (pre.index_q, pre.index_weights)
+                idxs = self.indexer(x, qr, freqs, state, offset, queries=queries)
             state.topk_idxs[self.layer_id] = idxs
         else:
             if self.index_source not in state.topk_idxs:
@@ -1083,7 +1167,10 @@ class DeepseekV41Attention(nn.Module):
             idxs = state.topk_idxs[self.index_source]
 
         if latents is not None:
-            latent = fake_quant_fp4(apply_rotary(latents.values, latent_freqs), *COMPRESSED_KV_FP4)
+            if have_latent_rows:
+                latent = pre.latent_kv
+            else:
+                latent = fake_quant_fp4(apply_rotary(latents.values, latent_freqs), *COMPRESSED_KV_FP4)
             layer_cache = state.cache.layer(self.layer_id)
             layer_cache.compressed_kv = latents.store(layer_cache.compressed_kv, latent, fresh=start_pos == 0)
         source = state.cache.layer(self.kv_source).compressed_kv
@@ -1163,11 +1250,50 @@ class DeepseekV41Attention(nn.Module):
         ``[B, 1, rd/2]`` with left padding."""
         return self.rotary(state.positions(1, device).clamp_min(0))
 
-    def decode_project(self, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's projections, which depend on nothing cached: x bf16 ``[B, 1, dim]`` ->
-        ``(qr [B, 1, q_lora], kv_row [B, 1, head_dim], q [B, 1, H, head_dim])``."""
+    def decode_group_inputs(self, state: DeepseekV41AttentionState, device: torch.device) -> tuple:
+        """For :meth:`decode_project` on a step that ends a ratio > 1 compressor group (no left
+        padding): ``(parked_kv, parked_score, group_freqs)`` (the parked slots and the RoPE table of
+        the group's first position), else ``()``."""
+        if self.compressor is None or state.pad_offsets is not None or not self.compressor.ends_group(state.start_pos):
+            return ()
+        cache = state.cache.layer(self.layer_id)
+        if cache.compressor_kv is None:
+            return ()
+        first = state.start_pos + 1 - self.ratio
+        return cache.compressor_kv, cache.compressor_score, self.rotary(torch.arange(first, first + 1, device=device))
+
+    def decode_project(
+        self,
+        x: torch.Tensor,
+        freqs: torch.Tensor,
+        parked_kv: torch.Tensor | None = None,
+        parked_score: torch.Tensor | None = None,
+        group_freqs: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """The step's projections, which depend on nothing that grows: x bf16 ``[B, 1, dim]`` ->
+        ``(qr [B, 1, q_lora], kv_row [B, 1, head_dim], q [B, 1, H, head_dim], *extras)`` where
+        `extras` is :class:`DecodeProjections` as a flat tuple (indexer queries, compressor
+        projections, and the latent the step completes with its compressed-KV row and index key:
+        for ratio 1 at the token's own RoPE position; for ratio > 1 when
+        :meth:`decode_group_inputs` gave the parked slots and the group's table)."""
         qr = self.q_norm(self.wq_a(x))
-        return qr, self.window_kv_rows(x, freqs), self.queries(qr, freqs)
+        pre = DecodeProjections()
+        if self.indexer is not None:
+            pre.index_q, pre.index_weights = self.indexer.queries(x, qr, freqs)
+        if self.compressor is not None:
+            if self.ratio == 1:
+                (pre.latent,) = self.compressor.decode_project(x)
+                pre.latent_kv = fake_quant_fp4(apply_rotary(pre.latent, freqs), *COMPRESSED_KV_FP4)
+                if self.indexer is not None and self.indexer.owns_k:
+                    pre.latent_k = self.indexer.index_keys_of(pre.latent, freqs)
+            else:
+                pre.compressor_kv, pre.compressor_score = self.compressor.decode_project(x)
+                if parked_kv is not None:
+                    pre.latent = self.compressor.pool_last(parked_kv, parked_score, pre.compressor_kv, pre.compressor_score, x.dtype)
+                    pre.latent_kv = fake_quant_fp4(apply_rotary(pre.latent, group_freqs), *COMPRESSED_KV_FP4)
+                    if self.indexer is not None and self.indexer.owns_k:
+                        pre.latent_k = self.indexer.index_keys_of(pre.latent, group_freqs)
+        return (qr, self.window_kv_rows(x, freqs), self.queries(qr, freqs), *pre.as_tuple())
 
     def decode_attend(
         self,
@@ -1177,9 +1303,11 @@ class DeepseekV41Attention(nn.Module):
         q: torch.Tensor,
         freqs: torch.Tensor,
         state: DeepseekV41AttentionState,
+        *extras: torch.Tensor | None,
     ) -> torch.Tensor:
         """The cache-dependent middle of a one-token step (its shapes grow with the sequence):
-        ring write, compressor, indexer, index lists, sparse attention. Returns o bf16
+        ring write, compressor, indexer, index lists, sparse attention; `extras` are the tail of
+        :meth:`decode_project`'s output. Returns o bf16
         ``[B, 1, H, head_dim]`` (before :meth:`output`). The three parts together equal
         :meth:`forward` on a one-token step.
 
@@ -1190,7 +1318,8 @@ class DeepseekV41Attention(nn.Module):
             raise DeepseekV41AttentionError(f"decode_attend takes one token after a prefill, got {x.size(1)} at {state.start_pos}")
         kv, idxs = self._window_kv(x, freqs, state, kv=kv_row)
         if self.ratio:
-            compressed, compressed_idxs = self._compressed_kv(x, qr, freqs, state, kv.size(1))
+            pre = DecodeProjections(*extras) if extras else None
+            compressed, compressed_idxs = self._compressed_kv(x, qr, freqs, state, kv.size(1), pre)
             kv = torch.cat([kv, compressed], dim=1)
             idxs = torch.cat([idxs, compressed_idxs], dim=-1)
         return self._sparse(q, kv, idxs)

@@ -307,11 +307,10 @@ class DeepseekV41DecoderLayer(nn.Module):
         return hc.post(f, x1, ffn_post, ffn_comb), ffn_pre
 
     # -- one-token decode: fixed-shape head and tail around the cache-dependent attention middle
-    def _decode_head(self, x, pre_mix_in, freqs):
+    def _decode_head(self, x, pre_mix_in, freqs, *group_inputs):
         attn_pre, attn_post, attn_comb = self.hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         xa = self.attn_norm(self.hc.pre(x, pre_mix_in))
-        qr, kv_row, q = self.attn.decode_project(xa, freqs)
-        return attn_pre, attn_post, attn_comb, xa, qr, kv_row, q
+        return (attn_pre, attn_post, attn_comb, xa, *self.attn.decode_project(xa, freqs, *group_inputs))
 
     def _decode_tail(self, o, freqs, x, attn_pre, attn_post, attn_comb, image_mask):
         return self._ffn_half(self.attn.output(o, freqs), x, attn_pre, attn_post, attn_comb, image_mask)
@@ -370,8 +369,10 @@ class DeepseekV41DecoderLayer(nn.Module):
                     GraphedSegment(tail, pool, self._graph_owner_key, clone_outputs=True),
                 )
             head, tail = self._decode_segments
-        attn_pre, attn_post, attn_comb, xa, qr, kv_row, q = head(x, pre_mix_in, freqs)
-        o = self.attn.decode_attend(xa, qr, kv_row, q, freqs, attention_state)
+        # a step that ends a compressor group also pools it in the head (from the parked slots)
+        group_inputs = self.attn.decode_group_inputs(attention_state, x.device)
+        attn_pre, attn_post, attn_comb, xa, *projections = head(x, pre_mix_in, freqs, *group_inputs)
+        o = self.attn.decode_attend(xa, *projections[:3], freqs, attention_state, *projections[3:])
         return tail(o, freqs, x, attn_pre, attn_post, attn_comb, image_mask)
 
 

@@ -54,6 +54,20 @@ E2M1_TABLE = torch.cat([E2M1_MAGNITUDES, -E2M1_MAGNITUDES])
 _E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
 _E2M1_TIE_ROUNDS_UP = torch.tensor([False, True, False, True, False, True, False])
 
+_DEVICE_CONSTANTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _on_device(constant: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A module-level constant table on `device`, copied once per device: a copy from host
+    memory on every call would wait for the device's queue (and cannot be graph-captured)."""
+    if constant.device == device:
+        return constant
+    key = (id(constant), device)
+    if key not in _DEVICE_CONSTANTS:
+        _DEVICE_CONSTANTS[key] = constant.to(device)
+    return _DEVICE_CONSTANTS[key]
+
+
 # Floors of a group's amax, so that an all-zero group still gets a finite, non-zero scale.
 FP8_AMAX_FLOOR = 1e-4
 FP4_E4M3_AMAX_FLOOR = 6 * 2.0**-9
@@ -161,7 +175,7 @@ def fake_quant_fp8(x: torch.Tensor, block: int = QUANT_BLOCK, scale_fmt: str | N
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """fp32 values in [-6, 6] -> 4-bit E2M1 codes (uint8, bit 3 = sign), nearest, ties to even code."""
-    mids, tie_up = _E2M1_MIDPOINTS.to(x.device), _E2M1_TIE_ROUNDS_UP.to(x.device)
+    mids, tie_up = _on_device(_E2M1_MIDPOINTS, x.device), _on_device(_E2M1_TIE_ROUNDS_UP, x.device)
     mag = x.abs().unsqueeze(-1)
     code = (mag > mids).sum(-1) + ((mag == mids) & tie_up).sum(-1)
     return code.to(torch.uint8) | (torch.signbit(x).to(torch.uint8) << 3)
@@ -169,7 +183,7 @@ def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 
 def e2m1_round(x: torch.Tensor) -> torch.Tensor:
     """fp32 values in [-6, 6] -> the nearest E2M1 value (fp32), ties to the even code, sign kept."""
-    return E2M1_TABLE.to(x.device)[e2m1_codes(x).long()]
+    return _on_device(E2M1_TABLE, x.device)[e2m1_codes(x).long()]
 
 
 def _fp4_group_scales(x: torch.Tensor, group: int, scale_fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,7 +252,7 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     if packed.dtype not in (torch.float4_e2m1fn_x2, torch.int8, torch.uint8):
         raise DeepseekV41QuantizationError(f"unpack_fp4 takes float4_e2m1fn_x2/int8/uint8, got {packed.dtype}")
     raw = packed.view(torch.uint8)
-    table = E2M1_TABLE.to(raw.device)
+    table = _on_device(E2M1_TABLE, raw.device)
     low, high = table[(raw & 0x0F).long()], table[(raw >> 4).long()]
     return torch.stack([low, high], dim=-1).flatten(-2)
 

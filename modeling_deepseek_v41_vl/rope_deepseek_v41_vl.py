@@ -97,12 +97,19 @@ class DeepseekV41RotaryEmbedding(nn.Module):
             return cls(config.qk_rope_head_dim, config.compress_rope_theta, config.compress_rope_scaling)
         return cls(config.qk_rope_head_dim, config.rope_theta, None)
 
+    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        # one copy per device (a host-to-device copy per call would stall the decode step)
+        cached = self.__dict__.setdefault("_inv_freq_copies", {})
+        if device not in cached or cached[device][0] is not self.inv_freq:
+            cached[device] = (self.inv_freq, self.inv_freq.to(device))
+        return cached[device][1]
+
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         """positions: integer tensor of absolute positions, any shape -> complex64 ``[*shape, rope_dim/2]``."""
         if positions.dtype.is_floating_point or positions.dtype.is_complex:
             raise DeepseekV41RopeError(f"positions must be integers, got {positions.dtype}")
         # Angles as fp32 products pos * f_i, exactly the entries of the reference's outer product.
-        inv_freq = self.inv_freq.to(positions.device)
+        inv_freq = self._inv_freq_on(positions.device)
         angles = positions.reshape(-1, 1).to(torch.float32) * inv_freq.unsqueeze(0)
         table = torch.polar(torch.ones_like(angles), angles)
         return table.view(*positions.shape, self.rope_dim // 2)

@@ -3,7 +3,8 @@
 On CUDA the head and tail of a decode step are replayed from CUDA graphs; the split itself is
 device-independent, so on the CPU the parts run eagerly and must give `block`'s outputs and leave
 the same cache behind, bit for bit, for every layer kind (window-only, ratio-2 source, ratio-1
-candidate source, ratio-1 reuse) over several steps, in both numerics. The graph replay itself is
+candidate source, ratio-1 reuse) over several steps, in both numerics, with and without left
+padding. The graph replay itself is
 tested in tests/test_gpu.py.
 """
 
@@ -68,21 +69,24 @@ def _cache_tensors(cache) -> dict:
     return out
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["one-row", "left-padded"])
 @pytest.mark.parametrize("numerics", ["fast", "exact"])
-def test_decode_step_equals_block(numerics):
+def test_decode_step_equals_block(numerics, padded):
     text, layers = _layers(numerics)
     prefill, steps = 13, 6  # odd prefill: the ratio-2 groups complete on alternate steps
+    batch = 2 if padded else 1
+    pads = torch.tensor([0, 3]) if padded else None  # row 1 starts 3 columns later
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(1, prefill + steps, text.hc_mult, text.hidden_size, generator=gen).to(torch.bfloat16)
-    pre = torch.softmax(torch.randn(1, prefill + steps, text.hc_mult, generator=gen), -1)
+    x = torch.randn(batch, prefill + steps, text.hc_mult, text.hidden_size, generator=gen).to(torch.bfloat16)
+    pre = torch.softmax(torch.randn(batch, prefill + steps, text.hc_mult, generator=gen), -1)
     with torch.no_grad():
-        state = DeepseekV41AttentionState(start_pos=0)
+        state = DeepseekV41AttentionState(start_pos=0, pad_offsets=pads)
         for layer in layers:
             layer.block(x[:, :prefill], pre[:, :prefill], state)
         split_cache = copy.deepcopy(state.cache)
         for t in range(prefill, prefill + steps):
-            whole = DeepseekV41AttentionState(start_pos=t, cache=state.cache)
-            split = DeepseekV41AttentionState(start_pos=t, cache=split_cache)
+            whole = DeepseekV41AttentionState(start_pos=t, cache=state.cache, pad_offsets=pads)
+            split = DeepseekV41AttentionState(start_pos=t, cache=split_cache, pad_offsets=pads)
             h_whole = h_split = x[:, t : t + 1]
             m_whole = m_split = pre[:, t : t + 1]
             for layer in layers:
@@ -105,5 +109,5 @@ def test_decode_attend_refuses_a_prefill():
     x = torch.randn(1, 3, text.hidden_size).to(torch.bfloat16)
     freqs = layer.attn.rotary(torch.arange(3))
     with torch.no_grad(), pytest.raises(DeepseekV41AttentionError, match="one token after a prefill"):
-        qr, kv, q = layer.attn.decode_project(x, freqs)
-        layer.attn.decode_attend(x, qr, kv, q, freqs, DeepseekV41AttentionState(start_pos=0))
+        qr, kv, q, *extras = layer.attn.decode_project(x, freqs)
+        layer.attn.decode_attend(x, qr, kv, q, freqs, DeepseekV41AttentionState(start_pos=0), *extras)
