@@ -288,6 +288,15 @@ class DeepseekV41AttentionState:
     candidate_blocks: torch.Tensor | None = None  # last: keeps the older fields' positions
     pad_offsets: torch.Tensor | None = None
     _pads: list[int] | None = field(default=None, init=False, repr=False)  # pad_offsets on the host
+    # tables every layer of a one-token step would build alike (RoPE rows, window index lists),
+    # built by the first layer that asks: each saves a few kernel launches per layer and step
+    _step_tables: dict = field(default_factory=dict, init=False, repr=False)
+
+    def step_table(self, key: tuple, build):
+        """`build()` once per forward for `key`; later calls return the same (read-only) tensor."""
+        if key not in self._step_tables:
+            self._step_tables[key] = build()
+        return self._step_tables[key]
 
     def positions(self, seqlen: int, device=None) -> torch.Tensor:
         """Positions of this forward's tokens: int64 ``[S]`` (start_pos .. start_pos + S - 1), or
@@ -1121,7 +1130,10 @@ class DeepseekV41Attention(nn.Module):
             raise DeepseekV41AttentionError("a forward after position 0 before any prefill: the window cache is empty")
         if start_pos > 0 and seqlen == 1:
             layer_cache.window_kv[:, start_pos % win] = kv.squeeze(1)
-            idxs = decode_window_idxs(win, bsz, start_pos, state.pad_offsets, x.device)
+            idxs = state.step_table(
+                ("decode_window_idxs", win, bsz, start_pos, x.device),
+                lambda: decode_window_idxs(win, bsz, start_pos, state.pad_offsets, x.device),
+            )
             return layer_cache.window_kv, idxs
         if start_pos == 0:
             window_kv = kv
@@ -1248,7 +1260,10 @@ class DeepseekV41Attention(nn.Module):
     def decode_freqs(self, state: DeepseekV41AttentionState, device: torch.device) -> torch.Tensor:
         """The RoPE table of a one-token step at `state.start_pos`: complex64 ``[1, rd/2]`` or
         ``[B, 1, rd/2]`` with left padding."""
-        return self.rotary(state.positions(1, device).clamp_min(0))
+        return state.step_table(
+            ("decode_freqs", self.rotary.table_key, state.start_pos, device),
+            lambda: self.rotary(state.positions(1, device).clamp_min(0)),
+        )
 
     def decode_group_inputs(self, state: DeepseekV41AttentionState, device: torch.device) -> tuple:
         """For :meth:`decode_project` on a step that ends a ratio > 1 compressor group (no left
@@ -1260,7 +1275,11 @@ class DeepseekV41Attention(nn.Module):
         if cache.compressor_kv is None:
             return ()
         first = state.start_pos + 1 - self.ratio
-        return cache.compressor_kv, cache.compressor_score, self.rotary(torch.arange(first, first + 1, device=device))
+        group_freqs = state.step_table(
+            ("group_freqs", self.rotary.table_key, first, device),
+            lambda: self.rotary(torch.arange(first, first + 1, device=device)),
+        )
+        return cache.compressor_kv, cache.compressor_score, group_freqs
 
     def decode_project(
         self,

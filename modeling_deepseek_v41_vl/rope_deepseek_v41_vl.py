@@ -97,6 +97,11 @@ class DeepseekV41RotaryEmbedding(nn.Module):
             return cls(config.qk_rope_head_dim, config.compress_rope_theta, config.compress_rope_scaling)
         return cls(config.qk_rope_head_dim, config.rope_theta, None)
 
+    @property
+    def table_key(self) -> tuple:
+        """Equal for two modules that build the same tables (same rope_dim, base and YaRN)."""
+        return (self.rope_dim, self.base, tuple(sorted(self.yarn.items())))
+
     def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
         # one copy per device (a host-to-device copy per call would stall the decode step)
         cached = self.__dict__.setdefault("_inv_freq_copies", {})
