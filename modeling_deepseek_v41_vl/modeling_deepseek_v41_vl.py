@@ -62,6 +62,8 @@ from .engram_placement_deepseek_v41_vl import (
     empty_model,
     keep_engram_tables_resident,
 )
+from ..processing.image_spans_deepseek_v41_vl import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, image_span_length
+from ..processing.image_spans_deepseek_v41_vl import image_token_roles as _image_token_roles
 from .hyper_connection_deepseek_v41_vl import DeepseekV41HyperConnection, identity_pre_mix
 from .moe_deepseek_v41_vl import DeepseekV41Gate, DeepseekV41MoE
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
@@ -74,8 +76,6 @@ from .vision_deepseek_v41_vl import (
     parse_image_grid,
 )
 
-# Roles of the positions of an image span (`inference/image_processor.py` constants).
-TEXT, IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = -1, 0, 1, 2, 3
 
 
 class DeepseekV41ModelError(ValueError):
@@ -108,75 +108,19 @@ def _moe_quantization(text_config: DeepseekV41TextConfig) -> dict | None:
 # --------------------------------------------------------------------------------------------
 
 
-def image_span_length(n_llm_h: int, n_llm_w: int) -> int:
-    """Positions of one image span: ``n_llm_h * (n_llm_w + 1) + 2`` (a newline after every row)."""
-    return n_llm_h * (n_llm_w + 1) + 2
-
-
 def image_token_roles(
     mm_token_type_ids: torch.Tensor,
     image_grid_thw: torch.Tensor | Sequence[Sequence[int]] | None,
     downsample_ratio: int,
 ) -> torch.Tensor:
-    """Role of every position: TEXT -1, IMAGE_START 0, IMAGE 1, IMAGE_NEW_LINE 2, IMAGE_END 3.
-
-    These are the reference's `token_types` (`image_processor.image_token_types`), rebuilt from the
-    transformers-style inputs.
-
-    Args:
-        mm_token_type_ids: int ``[B, S]``, 1 on every position of an image span, 0 elsewhere.
-        image_grid_thw: int ``[n_images, 3]`` rows ``(1, n_vit_h, n_vit_w)``, the images in span
-            order (batch row by batch row, left to right); None when there is no span.
-        downsample_ratio: the aligner's merge factor (3).
-
-    Returns:
-        int64 ``[B, S]``.
+    """Role of every position (TEXT -1, IMAGE_START 0, IMAGE 1, IMAGE_NEW_LINE 2, IMAGE_END 3):
+    `image_spans_deepseek_v41_vl.image_token_roles`, the one implementation the processor shares.
 
     Raises:
         DeepseekV41ModelError: values other than 0/1, more or fewer spans than images, or a span
             whose length is not the one its image's grid implies.
     """
-    if mm_token_type_ids.dim() != 2:
-        raise DeepseekV41ModelError(f"mm_token_type_ids must be [batch, seq], got {tuple(mm_token_type_ids.shape)}")
-    if ((mm_token_type_ids != 0) & (mm_token_type_ids != 1)).any():
-        raise DeepseekV41ModelError("mm_token_type_ids must hold only 0 (text) and 1 (image span)")
-    grids = [] if image_grid_thw is None else parse_image_grid(image_grid_thw)
-    llm = [llm_grid(h, w, downsample_ratio) for h, w in grids]
-    roles = torch.full(mm_token_type_ids.shape, TEXT, dtype=torch.int64)
-    flags = mm_token_type_ids.bool().cpu()
-    image = 0
-    for b in range(flags.size(0)):
-        row = flags[b]
-        # runs of consecutive span positions; one run may hold several images back to back
-        zero = torch.zeros(1, dtype=torch.int8)
-        edges = torch.diff(row.to(torch.int8), prepend=zero, append=zero)
-        starts = torch.nonzero(edges == 1).flatten().tolist()
-        ends = torch.nonzero(edges == -1).flatten().tolist()
-        for run_start, run_end in zip(starts, ends):
-            pos = run_start
-            while pos < run_end:
-                if image >= len(llm):
-                    raise DeepseekV41ModelError(
-                        f"mm_token_type_ids marks more image spans than the {len(llm)} images of image_grid_thw "
-                        f"(batch row {b}, position {pos})"
-                    )
-                n_h, n_w = llm[image]
-                length = image_span_length(n_h, n_w)
-                if pos + length > run_end:
-                    raise DeepseekV41ModelError(
-                        f"image {image} (llm grid {n_h}x{n_w}) needs a span of {length} positions, but the span at "
-                        f"batch row {b}, position {pos} has only {run_end - pos}"
-                    )
-                body = torch.full((n_h, n_w + 1), IMAGE, dtype=torch.int64)
-                body[:, -1] = IMAGE_NEW_LINE
-                roles[b, pos] = IMAGE_START
-                roles[b, pos + 1 : pos + length - 1] = body.flatten()
-                roles[b, pos + length - 1] = IMAGE_END
-                pos += length
-                image += 1
-    if image != len(llm):
-        raise DeepseekV41ModelError(f"image_grid_thw has {len(llm)} images but mm_token_type_ids marks {image} spans")
-    return roles.to(mm_token_type_ids.device)
+    return _image_token_roles(mm_token_type_ids, image_grid_thw, downsample_ratio, error=DeepseekV41ModelError)
 
 
 # --------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..processing.image_spans_deepseek_v41_vl import llm_grid
 from .attention_deepseek_v41_vl import DeepseekV41RMSNorm
 from ..triton_ops.vision_rope import apply_vision_rope, resolve_backend
 from .configuration_deepseek_v41_vl import DeepseekV41ConfigError, DeepseekV41VisionConfig
@@ -102,11 +103,6 @@ def parse_image_grid(
             f"image_grid_thw describes {sum(h * w for h, w in grids)} patches but pixel_values has {num_patches} rows"
         )
     return grids
-
-
-def llm_grid(n_vit_h: int, n_vit_w: int, downsample_ratio: int) -> tuple[int, int]:
-    """The aligner's output grid ``(n_llm_h, n_llm_w)``: ceil of each side / ratio."""
-    return -(-n_vit_h // downsample_ratio), -(-n_vit_w // downsample_ratio)
 
 
 @lru_cache(maxsize=16)

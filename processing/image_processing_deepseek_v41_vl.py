@@ -40,6 +40,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
 from transformers.processing_utils import ImagesKwargs
 
+from .image_spans_deepseek_v41_vl import image_span_length
+from .image_spans_deepseek_v41_vl import llm_grid as llm_grid_from_vit_grid  # ceil(n_vit / ratio) per side
 from .errors_deepseek_v41_vl import (
     DeepseekV41ImageError,
     DeepseekV41ImagePlanError,
@@ -88,23 +90,6 @@ class ImagePlan:
     def num_patches(self) -> int:
         """Rows of `pixel_values` this image contributes: n_vit_h * n_vit_w."""
         return self.n_vit_h * self.n_vit_w
-
-
-def image_span_length(n_llm_h: int, n_llm_w: int) -> int:
-    """Prompt positions of an image span: one IMAGE_NEW_LINE per row, plus START and END.
-
-    Mirrors `inference/image_processor.py: num_image_tokens`.
-    """
-    return n_llm_h * (n_llm_w + 1) + 2
-
-
-def llm_grid_from_vit_grid(n_vit_h: int, n_vit_w: int, downsample_ratio: int) -> tuple[int, int]:
-    """LLM token grid (n_llm_h, n_llm_w) = ceil(n_vit / downsample_ratio) per side.
-
-    Mirrors `inference/image_processor.py: llm_grid` (which takes pixel sizes); integer ceiling,
-    equal to the reference's float ceiling for any realistic grid.
-    """
-    return -(-n_vit_h // downsample_ratio), -(-n_vit_w // downsample_ratio)
 
 
 def _llm_grid(best_height, best_width, patch_size, downsample_ratio):

@@ -49,13 +49,12 @@ from .encoding_deepseek_v41_vl import (
     parse_completion,
     parse_tagged_text,
 )
+from .image_spans_deepseek_v41_vl import image_span_roles
+from .image_spans_deepseek_v41_vl import image_token_roles as _image_token_roles
 from .errors_deepseek_v41_vl import DeepseekV41ProcessorError
 from .image_processing_deepseek_v41_vl import DeepseekV41ImageProcessor
 
 IMAGE_TOKEN_ID = 129264
-# Reference token types (`inference/image_processor.py`): TEXT -1, IMAGE_START 0, IMAGE 1,
-# IMAGE_NEW_LINE 2, IMAGE_END 3.
-ROLE_TEXT, ROLE_START, ROLE_IMAGE, ROLE_NEWLINE, ROLE_END = -1, 0, 1, 2, 3
 CHAT_TEMPLATE_FILE = Path(__file__).with_name("chat_template.jinja")
 
 # Keyword arguments `__call__` understands besides images/text; anything else is refused.
@@ -92,32 +91,14 @@ def default_chat_template() -> str | None:
     return CHAT_TEMPLATE_FILE.read_text(encoding="utf-8") if CHAT_TEMPLATE_FILE.is_file() else None
 
 
-def image_span_roles(n_llm_h: int, n_llm_w: int) -> list[int]:
-    """Roles of one image span, in the reference's codes.
-
-    Mirrors `inference/image_processor.py: image_token_types`:
-    [START] + ([IMAGE] * n_llm_w + [NEWLINE]) * n_llm_h + [END].
-    """
-    return [ROLE_START] + ([ROLE_IMAGE] * n_llm_w + [ROLE_NEWLINE]) * n_llm_h + [ROLE_END]
-
-
-def _llm_grid(n_vit_h: int, n_vit_w: int, downsample_ratio: int) -> tuple[int, int]:
-    # ceil(n_vit / ratio): the aligner zero-pads the patch grid to a multiple of the ratio.
-    return -(-n_vit_h // downsample_ratio), -(-n_vit_w // downsample_ratio)
-
-
 def image_token_roles(
     mm_token_type_ids: torch.Tensor | Sequence[Sequence[int]],
     image_grid_thw: torch.Tensor | Sequence[Sequence[int]] | None,
     downsample_ratio: int = 3,
 ) -> torch.Tensor:
-    """Role of every position, in the reference's `token_types` codes.
-
-    TEXT -1, IMAGE_START 0, IMAGE 1, IMAGE_NEW_LINE 2, IMAGE_END 3 (the tensor the reference
-    `prepare_vl_inputs` returns and `Transformer.forward` takes). Images are assigned to spans in
-    order, row by row (the order of `pixel_values`); an image of grid (1, n_vit_h, n_vit_w) owns
-    the next n_llm_h * (n_llm_w + 1) + 2 image positions, n_llm = ceil(n_vit / downsample_ratio).
-    Padding and text are TEXT.
+    """Role of every position, in the reference's `token_types` codes (TEXT -1, IMAGE_START 0,
+    IMAGE 1, IMAGE_NEW_LINE 2, IMAGE_END 3): the model's own rule
+    (`image_spans_deepseek_v41_vl.image_token_roles`), so the two cannot disagree.
 
     Args:
         mm_token_type_ids: int [B, S] (or [S]), 1 on image-span positions, 0 elsewhere.
@@ -130,40 +111,7 @@ def image_token_roles(
     Raises:
         DeepseekV41ProcessorError: the image positions do not form exactly one span per grid row.
     """
-    types = torch.as_tensor(mm_token_type_ids, dtype=torch.long)
-    squeeze = types.dim() == 1
-    if squeeze:
-        types = types.unsqueeze(0)
-    if types.dim() != 2:
-        raise DeepseekV41ProcessorError(f"mm_token_type_ids must be [B, S] or [S], got shape {tuple(types.shape)}")
-    grids = [] if image_grid_thw is None else torch.as_tensor(image_grid_thw, dtype=torch.long).reshape(-1, 3).tolist()
-    roles = torch.full_like(types, ROLE_TEXT)
-    image = 0
-    for row in range(types.shape[0]):
-        flags = types[row].tolist()
-        pos = 0
-        while pos < len(flags):
-            if flags[pos] != 1:
-                pos += 1
-                continue
-            if image >= len(grids):
-                raise DeepseekV41ProcessorError(
-                    f"row {row}, position {pos}: image-span positions beyond the {len(grids)} images of image_grid_thw"
-                )
-            t, n_vit_h, n_vit_w = grids[image]
-            if t != 1:
-                raise DeepseekV41ProcessorError(f"image {image}: image_grid_thw t must be 1, got {t}")
-            span = image_span_roles(*_llm_grid(n_vit_h, n_vit_w, downsample_ratio))
-            if pos + len(span) > len(flags) or any(flag != 1 for flag in flags[pos : pos + len(span)]):
-                raise DeepseekV41ProcessorError(
-                    f"row {row}, position {pos}: image {image} needs a span of {len(span)} image positions"
-                )
-            roles[row, pos : pos + len(span)] = torch.tensor(span, dtype=torch.long)
-            pos += len(span)
-            image += 1
-    if image != len(grids):
-        raise DeepseekV41ProcessorError(f"found spans for {image} images but image_grid_thw has {len(grids)} rows")
-    return roles[0] if squeeze else roles
+    return _image_token_roles(mm_token_type_ids, image_grid_thw, downsample_ratio, error=DeepseekV41ProcessorError)
 
 
 def _check_call_options(kwargs: dict[str, Any]) -> None:

@@ -229,7 +229,7 @@ def test_image_roles_reject_spans_that_do_not_fit(golden):
         image_token_roles(mm, grid.flip(0), 3)
     with pytest.raises(DeepseekV41ModelError, match="more image spans"):
         image_token_roles(mm, grid[:1], 3)
-    with pytest.raises(DeepseekV41ModelError, match="has 3 images but"):
+    with pytest.raises(DeepseekV41ModelError, match="image_grid_thw has 3 rows"):
         image_token_roles(mm, torch.cat([grid, grid[:1]]), 3)
     with pytest.raises(DeepseekV41ModelError, match="only 0"):
         image_token_roles(mm * 2, grid, 3)
