@@ -1034,7 +1034,12 @@ class DeepseekV41Indexer(nn.Module):
         elif self.uses_candidates:
             scores = scores.masked_fill(~self._candidate_mask(state, rows, n_keys, batch), -torch.inf)
 
-        picked = scores.topk(min(k, n_keys), dim=-1, sorted=False).indices.sort(dim=-1).values
+        picked = scores.topk(min(k, n_keys), dim=-1, sorted=False).indices
+        if not (one_step and self.numerics == "fast"):
+            # ascending positions: the reference's order, in which the attention adds them up; a fast
+            # decode step skips the sort (a radix sort of the k ids is the step's costliest kernel
+            # after the GEMMs) and adds the same terms in another order
+            picked = picked.sort(dim=-1).values
         idxs = torch.where(picked < compress_lens, picked + offset, -1).int()
         if idxs.size(-1) < k:  # fast mode, a chunk seeing fewer than k positions: pad with "none"
             idxs = F.pad(idxs, (0, k - idxs.size(-1)), value=-1)
