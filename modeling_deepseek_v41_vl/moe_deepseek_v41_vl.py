@@ -18,9 +18,12 @@ Numerics (``config.numerics``):
     which read the fp4 / fp8 / bf16 expert weights in place, with no host synchronisation (CUDA-graph
     capturable); equal to the path below up to fp32 summation order inside the GEMMs;
   - otherwise the experts run on one expert-sorted copy of the tokens, scattered back with one
-    ``index_add_`` (this reads the expert counts on the host). On CPU it equals the exact loop
-    given the same expert GEMMs; the ``"fast"`` GEMMs themselves are dequantized bf16 matmuls (see
-    ``quantization_deepseek_v41_vl.py``).
+    ``index_add_`` (this reads the expert counts on the host). On CUDA (or with
+    ``DEEPSEEK_V41_MOE_PREFILL_BACKEND=triton``) `triton_ops/moe_prefill.py` runs them in chunks of
+    experts: one kernel dequantizes a chunk's weights, ``torch._grouped_mm`` multiplies, the SwiGLU
+    runs once per chunk (a few dozen launches per layer instead of ~20 per expert). Elsewhere the
+    experts run one by one; on CPU either equals the exact loop given the same expert GEMMs, which
+    in ``"fast"`` are dequantized bf16 matmuls (see ``quantization_deepseek_v41_vl.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from ..triton_ops.moe_experts import (
     resolve_moe_experts_backend,
     use_moe_experts_kernel,
 )
+from ..triton_ops.moe_prefill import moe_routed_prefill, use_moe_prefill
 from ..triton_ops.moe_routing import route_topk, router_scores
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
 
@@ -262,14 +266,20 @@ class DeepseekV41MoE(nn.Module):
         x_sorted = x[rows]
         w_sorted = weights.flatten()[order].unsqueeze(-1)
         counts = torch.bincount(flat_ids, minlength=self.n_routed_experts).tolist()
-        y_sorted = torch.empty_like(x_sorted)
-        start = 0
-        for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            end = start + count
-            y_sorted[start:end] = self.experts[e](x_sorted[start:end], w_sorted[start:end])
-            start = end
+        if use_moe_prefill(x, self.routed_weight_dtype):
+            # batched dequant + grouped GEMMs per chunk of experts (`triton_ops/moe_prefill.py`):
+            # the same math, without ~50 host-issued launches per expert
+            table = self.expert_tables.get(self.experts)
+            y_sorted = moe_routed_prefill(x_sorted, w_sorted, counts, table)
+        else:
+            y_sorted = torch.empty_like(x_sorted)
+            start = 0
+            for e, count in enumerate(counts):
+                if count == 0:
+                    continue
+                end = start + count
+                y_sorted[start:end] = self.experts[e](x_sorted[start:end], w_sorted[start:end])
+                start = end
         out = torch.zeros_like(x, dtype=torch.float32)
         return out.index_add_(0, rows, y_sorted.float())
 
