@@ -37,6 +37,10 @@ from ..triton_ops.quant_linear import quantized_linear_triton, use_quant_linear_
 from ..triton_ops.dequant import ENV_BACKEND as _DEQUANT_ENV_BACKEND
 from ..triton_ops.dequant import dequantize_fp4_triton, dequantize_fp8_triton
 from ..triton_ops.kernel_backend import resolve_backend
+from ..triton_ops.fake_quant import ENV_BACKEND as _FAKE_QUANT_ENV_BACKEND
+from ..triton_ops.fake_quant import FP4_SCALE_FORMATS as FP4_KERNEL_SCALE_FORMATS
+from ..triton_ops.fake_quant import FP8_GROUP as FP8_KERNEL_GROUP
+from ..triton_ops.fake_quant import fake_quant_fp4_triton, fake_quant_fp8_triton, fp4_group_supported
 
 FP8_E4M3_MAX = 448.0
 FP4_E2M1_MAX = 6.0
@@ -160,13 +164,33 @@ def act_quant(
     return q.flatten(-2), scale.to(scale_dtype)
 
 
+def _fake_quant_use_triton(x: torch.Tensor) -> bool:
+    # the kernels give the torch functions' bits, so this only picks the faster path; reads the
+    # device only (no synchronisation)
+    return "triton" == resolve_backend(
+        None, x.device, env_var=_FAKE_QUANT_ENV_BACKEND, error=DeepseekV41QuantizationError, what="fake quant"
+    )
+
+
 def fake_quant_fp8(x: torch.Tensor, block: int = QUANT_BLOCK, scale_fmt: str | None = "ue8m0") -> torch.Tensor:
     """Quantize to e4m3 as :func:`act_quant` and dequantize back; bf16 ``[..., K]`` out, new tensor.
 
     Mirrors `kernel.act_quant(..., inplace=True)` (the window-KV fake-quant, REFERENCE.md 6.2).
+    ``(32, "ue8m0")`` on CUDA (or with ``DEEPSEEK_V41_FAKE_QUANT_BACKEND=triton``) runs as one
+    Triton kernel, `triton_ops/fake_quant.py: fake_quant_fp8_triton`, bitwise equal to the torch ops.
+
+    Raises:
+        DeepseekV41QuantizationError: non-bf16 input, K not a multiple of `block`, unknown format
+            or backend name.
     """
     _check_bf16(x, "fake_quant_fp8")
     _check_groups(x, block, "fake_quant_fp8")
+    if block == FP8_KERNEL_GROUP and scale_fmt == "ue8m0" and _fake_quant_use_triton(x):
+        return fake_quant_fp8_triton(x)
+    return _fake_quant_fp8_torch(x, block, scale_fmt)
+
+
+def _fake_quant_fp8_torch(x: torch.Tensor, block: int, scale_fmt: str | None) -> torch.Tensor:
     groups, scale = _fp8_group_scales(x, block, scale_fmt)
     scale = scale.unsqueeze(-1)
     q = cast_to_e4m3(groups / scale)
@@ -208,11 +232,21 @@ def fake_quant_fp4(x: torch.Tensor, group: int = 16, scale_fmt: str = "e4m3") ->
 
     Then y = E2M1(clamp(x / s, +-6)) * s, cast to bf16.
 
+    On CUDA (or with ``DEEPSEEK_V41_FAKE_QUANT_BACKEND=triton``) this is one Triton kernel,
+    `triton_ops/fake_quant.py: fake_quant_fp4_triton`, bitwise equal to the torch ops.
+
     Raises:
-        DeepseekV41QuantizationError: non-bf16 input, K not a multiple of `group`, unknown format.
+        DeepseekV41QuantizationError: non-bf16 input, K not a multiple of `group`, unknown format
+            or backend name.
     """
     _check_bf16(x, "fake_quant_fp4")
     _check_groups(x, group, "fake_quant_fp4")
+    if scale_fmt in FP4_KERNEL_SCALE_FORMATS and fp4_group_supported(group) and _fake_quant_use_triton(x):
+        return fake_quant_fp4_triton(x, group, scale_fmt)
+    return _fake_quant_fp4_torch(x, group, scale_fmt)
+
+
+def _fake_quant_fp4_torch(x: torch.Tensor, group: int, scale_fmt: str) -> torch.Tensor:
     groups, scale = _fp4_group_scales(x, group, scale_fmt)
     scale = scale.unsqueeze(-1)
     v = (groups / scale).clamp(-FP4_E2M1_MAX, FP4_E2M1_MAX)

@@ -762,3 +762,69 @@ def test_moe_prefill_path_matches_the_per_expert_loop(kind, monkeypatch):
             else:
                 want = lin.weight
             assert torch.equal(got, want)
+
+
+# --------------------------------------------------------------------------------------------
+# Activation fake-quant kernels (`triton_ops/fake_quant.py`), compiled, against the torch ops
+# --------------------------------------------------------------------------------------------
+
+FAKE_QUANT_SHAPES = [(1, 1, 32, 128), (1, 1, 512), (3, 5, 64), (7, 4096)]
+
+
+@pytest.mark.parametrize("shape", FAKE_QUANT_SHAPES)
+@pytest.mark.parametrize("fmt", ["fp8", "fp4/e4m3", "fp4/ue8m0"])
+def test_fake_quant_kernels_bitwise_equal_torch(fmt, shape):
+    """Bit for bit (int16 patterns, so -0 counts) on random data across magnitudes, zero groups,
+    huge values and every finite bf16 value; the torch ops run on the GPU too (IEEE division)."""
+    import deepseek_v41_vl.modeling.quantization_deepseek_v41_vl as quant
+    from deepseek_v41_vl.triton_ops.fake_quant import fake_quant_fp4_triton, fake_quant_fp8_triton
+
+    _require_compiled_triton()
+    if fmt == "fp8":
+        kernel, reference = fake_quant_fp8_triton, lambda x: quant._fake_quant_fp8_torch(x, 32, "ue8m0")
+    else:
+        group, scale_fmt = (16, "e4m3") if fmt == "fp4/e4m3" else (32, "ue8m0")
+        kernel = lambda x: fake_quant_fp4_triton(x, group, scale_fmt)  # noqa: E731
+        reference = lambda x: quant._fake_quant_fp4_torch(x, group, scale_fmt)  # noqa: E731
+    gen = torch.Generator(device=CUDA).manual_seed(sum(shape))
+    k = shape[-1]
+    mags = torch.logspace(-40, 36, k // 32, device=CUDA).repeat_interleave(32)  # bf16 subnormals to 1e36
+    x = (torch.randn(shape, generator=gen, device=CUDA) * mags).to(torch.bfloat16)
+    x.view(-1, k)[0, :32] = 0.0
+    x.view(-1, k)[-1, ::16] = -3.0e38
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32, device=CUDA).to(torch.int16).view(torch.bfloat16)
+    every = every[torch.isfinite(every.float())].reshape(-1, 64)
+    strided = torch.stack([-x, x], dim=-1)[..., 1]  # x's values, last-dimension stride 2
+    assert not strided.is_contiguous()
+    for inp in (x, strided, every):
+        ours, ref = kernel(inp), reference(inp)
+        assert ours.shape == inp.shape and ours.dtype == torch.bfloat16
+        assert torch.equal(ours.contiguous().view(torch.int16), ref.contiguous().view(torch.int16))
+    # the public functions dispatch to the kernel on CUDA
+    public = quant.fake_quant_fp8(x) if fmt == "fp8" else quant.fake_quant_fp4(x, group, scale_fmt)
+    assert torch.equal(public.view(torch.int16), kernel(x).view(torch.int16))
+
+
+def test_fake_quant_kernels_replay_in_a_cuda_graph():
+    """Captured once (after a compiling warm-up), replayed on new input: no host synchronisation."""
+    from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import fake_quant_fp4, fake_quant_fp8
+
+    _require_compiled_triton()
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    x = torch.randn(1, 1, 512, generator=gen, device=CUDA).to(torch.bfloat16)
+
+    def step(t):
+        return fake_quant_fp8(t), fake_quant_fp4(t, 16, "e4m3"), fake_quant_fp4(t, 32, "ue8m0")
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(x)  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(x)
+    x.copy_((torch.randn(1, 1, 512, generator=gen, device=CUDA) * 100).to(torch.bfloat16))
+    graph.replay()
+    for got, want in zip(outs, step(x)):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
