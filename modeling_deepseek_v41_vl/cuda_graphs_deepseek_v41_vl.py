@@ -33,13 +33,22 @@ class GraphedSegment:
             weights' addresses after `.to()`, other numerics) drops the stale graphs.
         clone_outputs: return clones of the graph's static outputs (which the next replay
             overwrites); False when every output is consumed before that.
+        borrowed: positions of arguments that are another graph's static tensors (the same
+            storage at every call, e.g. the outputs of the segment before): the capture reads them
+            in place, and a call that passes that storage again copies nothing.
     """
 
     def __init__(
-        self, fn: Callable, pool=None, owner_key: Callable[[], object] | None = None, clone_outputs: bool = True
+        self,
+        fn: Callable,
+        pool=None,
+        owner_key: Callable[[], object] | None = None,
+        clone_outputs: bool = True,
+        borrowed: tuple[int, ...] = (),
     ):
         self.fn = fn
         self.clone_outputs = clone_outputs
+        self.borrowed = frozenset(borrowed)
         self.pool = pool
         self.owner_key = owner_key
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list, object]] = {}
@@ -55,7 +64,7 @@ class GraphedSegment:
         return len(self._graphs)
 
     def _capture(self, args) -> tuple[torch.cuda.CUDAGraph, list, object]:
-        inputs = [None if a is None else a.clone() for a in args]
+        inputs = [a if (a is None or i in self.borrowed) else a.clone() for i, a in enumerate(args)]
         stream = torch.cuda.Stream(device=next(a for a in args if a is not None).device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -79,7 +88,7 @@ class GraphedSegment:
             entry = self._graphs[key] = self._capture(args)
         graph, inputs, outputs = entry
         for static, a in zip(inputs, args):
-            if static is not None:
+            if static is not None and static.data_ptr() != a.data_ptr():
                 static.copy_(a)
         graph.replay()
         if not self.clone_outputs:

@@ -254,7 +254,8 @@ class DeepseekV41DecoderLayer(nn.Module):
     def _decode_head(self, x, pre_mix_in, freqs, *group_inputs):
         attn_pre, attn_post, attn_comb = self.hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         xa = self.attn_norm(self.hc.pre(x, pre_mix_in))
-        return (attn_pre, attn_post, attn_comb, xa, *self.attn.decode_project(xa, freqs, *group_inputs))
+        # x and freqs are handed on to the tail: under graphs, the head's own copies of them
+        return (x, freqs, attn_pre, attn_post, attn_comb, xa, *self.attn.decode_project(xa, freqs, *group_inputs))
 
     def _decode_tail(self, o, freqs, x, attn_pre, attn_post, attn_comb, image_mask):
         return self._ffn_half(self.attn.output(o, freqs), x, attn_pre, attn_post, attn_comb, image_mask)
@@ -310,14 +311,15 @@ class DeepseekV41DecoderLayer(nn.Module):
                 # the head's outputs are consumed within the step; the tail's go to the caller
                 self._decode_segments = (
                     GraphedSegment(head, pool, self._graph_owner_key, clone_outputs=False),
-                    GraphedSegment(tail, pool, self._graph_owner_key, clone_outputs=True),
+                    # the tail reads the head's x, freqs and mixes in place (no copies)
+                    GraphedSegment(tail, pool, self._graph_owner_key, clone_outputs=True, borrowed=(1, 2, 3, 4, 5)),
                 )
             head, tail = self._decode_segments
         # a step that ends a compressor group also pools it in the head (from the parked slots)
         group_inputs = self.attn.decode_group_inputs(attention_state, x.device)
-        attn_pre, attn_post, attn_comb, xa, *projections = head(x, pre_mix_in, freqs, *group_inputs)
+        x, head_freqs, attn_pre, attn_post, attn_comb, xa, *projections = head(x, pre_mix_in, freqs, *group_inputs)
         o = self.attn.decode_attend(xa, *projections[:3], freqs, attention_state, *projections[3:])
-        return tail(o, freqs, x, attn_pre, attn_post, attn_comb, image_mask)
+        return tail(o, head_freqs, x, attn_pre, attn_post, attn_comb, image_mask)
 
 
 @dataclass

@@ -28,10 +28,13 @@ Numerics (``config.numerics``):
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..triton_ops.moe_experts import ENV_BACKEND as MOE_EXPERTS_ENV_BACKEND
 from ..triton_ops.moe_experts import (
     ExpertTableCache,
     moe_experts_triton,
@@ -285,17 +288,23 @@ class DeepseekV41MoE(nn.Module):
 
     def runs_without_host_sync(self, rows: int, device: torch.device) -> bool:
         """True when a forward of `rows` bf16 token rows on `device` takes the expert kernels' path,
-        which never synchronises with the host (so it can be captured in a CUDA graph)."""
-        return (
-            self.numerics == "fast"
-            and resolve_moe_experts_backend(None, device) == "triton"
-            and use_moe_experts_kernel(
-                torch.empty(rows, self.hidden_size, dtype=torch.bfloat16, device="meta"),
-                torch.empty(rows, self.gate.top_k, device="meta"),
-                self.routed_weight_dtype,
-                backend="triton",
+        which never synchronises with the host (so it can be captured in a CUDA graph). Asked at
+        every decode step of every layer, so the answer is kept per (rows, device, numerics,
+        backend setting)."""
+        key = (rows, device, self.numerics, os.environ.get(MOE_EXPERTS_ENV_BACKEND))
+        answers = self.__dict__.setdefault("_host_sync_free", {})
+        if key not in answers:
+            answers[key] = (
+                self.numerics == "fast"
+                and resolve_moe_experts_backend(None, device) == "triton"
+                and use_moe_experts_kernel(
+                    torch.empty(rows, self.hidden_size, dtype=torch.bfloat16, device="meta"),
+                    torch.empty(rows, self.gate.top_k, device="meta"),
+                    self.routed_weight_dtype,
+                    backend="triton",
+                )
             )
-        )
+        return answers[key]
 
     def _routed_kernels(self, x, weights, indices) -> torch.Tensor:
         # fp32 [T, D]; no host sync: the expert table is built on the first call (and after moves)
