@@ -78,6 +78,15 @@ class GraphedSegment:
         return graph, inputs, outputs
 
     def __call__(self, *args):
+        device = next(a for a in args if a is not None).device
+        if device.index is not None and device.index != torch.cuda.current_device():
+            # a layer placed on another GPU (a device_map): capture and replay on its device
+            # and stream
+            with torch.cuda.device(device):
+                return self._call(args)
+        return self._call(args)
+
+    def _call(self, args):
         owner = self.owner_key() if self.owner_key is not None else None
         if owner != self._owner:
             self._graphs.clear()

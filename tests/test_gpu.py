@@ -828,3 +828,30 @@ def test_fake_quant_kernels_replay_in_a_cuda_graph():
     graph.replay()
     for got, want in zip(outs, step(x)):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_layers_split_over_two_gpus_decode_from_graphs_like_one_gpu(golden, converted_tiny_fp8):
+    """A device_map over GPUs 0 and 1 (decoder layers whole, half on each): the decode steps of
+    the layers on GPU 1 are captured and replayed on GPU 1, and generation gives the one-GPU
+    greedy tokens with the one-GPU prefill logits (the same kernels on the same GPU model)."""
+    from transformers import AutoModelForImageTextToText
+
+    reference = hf_all_gpu_run(golden, converted_tiny_fp8)
+    n_layers = len(reference["model"].model.layers)
+    core = reference["model"].model
+    device_map = {f"model.{name}": 0 for name, _ in core.named_children() if name != "layers"}
+    device_map.update({f"model.{name}": 0 for name, _ in core.named_parameters(recurse=False)})
+    device_map.update({f"model.{name}": 0 for name, _ in core.named_buffers(recurse=False)})
+    device_map.update({f"model.layers.{i}": int(i >= n_layers // 2) for i in range(n_layers)})
+    model = AutoModelForImageTextToText.from_pretrained(converted_tiny_fp8, numerics="fast", device_map=device_map)
+    assert {p.device.index for p in model.model.layers[n_layers - 1].parameters()} == {1}
+    inputs, _ = hf_vl_inputs(golden, converted_tiny_fp8)
+    with torch.no_grad():
+        logits = model(**inputs, use_cache=False).logits
+    tokens = model.generate(**inputs, do_sample=False, max_new_tokens=13)[:, inputs["input_ids"].shape[1] :]
+    last = model.model.layers[n_layers - 1]
+    assert last._decode_segments is not None and all(len(seg) >= 1 for seg in last._decode_segments)
+    _METRICS["two_gpus"] = {"logits_rel_l2": rel_l2(logits.to(CUDA), reference["logits"]), "tokens_equal": tokens.tolist() == reference["tokens"]}
+    assert rel_l2(logits.to(CUDA), reference["logits"]) < 1e-3
+    assert tokens.tolist() == reference["tokens"]
