@@ -234,9 +234,10 @@ class DeepseekV41AttentionCache:
         self.index_k_publisher_rows = torch.where(rows, layer_id, current)
         self.index_k_publisher = layer_id
 
-    def index_keys(self, n: int, reader: int) -> torch.Tensor:
+    def index_keys(self, n: int, reader: int, device: torch.device | None = None) -> torch.Tensor:
         """The first `n` published index keys ``[B, n, index_head_dim]``, each batch row's from its
-        own last publisher (rows without one get zeros; they see no compressed position).
+        own last publisher (rows without one get zeros; they see no compressed position), on
+        `device` when given (the publisher may sit on another GPU).
 
         Raises:
             DeepseekV41AttentionError: nothing published yet (`reader` names the asking layer).
@@ -244,11 +245,14 @@ class DeepseekV41AttentionCache:
         if self.index_k_publisher is None:
             raise DeepseekV41AttentionError(f"layer {reader}: no index keys were published before its indexer")
         if self.index_k_publisher_rows is None:
-            return self.layer(self.index_k_publisher).index_k.rows(n)
+            rows = self.layer(self.index_k_publisher).index_k.rows(n)
+            return rows if device is None else rows.to(device)
         publishers = self.index_k_publisher_rows
         keys = None
         for layer_id in sorted(set(publishers.tolist()) - {-1}):
             rows = self.layer(layer_id).index_k.rows(n)
+            rows = rows.to(publishers.device if device is None else device)
+            publishers = publishers.to(rows.device)
             if keys is None:
                 keys = torch.where((publishers == layer_id).view(-1, 1, 1), rows, torch.zeros_like(rows))
             else:
@@ -885,7 +889,7 @@ class DeepseekV41Indexer(nn.Module):
         bsz, seqlen, _ = x.shape
         if positions is None:
             positions = state.positions(seqlen, x.device)
-        index_k = state.cache.index_keys(state.max_real_end(seqlen) // self.ratio, self.layer_id)
+        index_k = state.cache.index_keys(state.max_real_end(seqlen) // self.ratio, self.layer_id, x.device)
         chunk = _query_chunk(self.numerics, bsz * self.n_heads * index_k.size(1), x.device) or seqlen
         if queries is not None and seqlen != 1:
             raise DeepseekV41AttentionError("precomputed index queries are for a one-token step")
@@ -924,9 +928,10 @@ class DeepseekV41Indexer(nn.Module):
     def _candidate_mask(self, state: DeepseekV41AttentionState, rows: slice, width: int, batch: slice) -> torch.Tensor:
         """The candidate source's kept positions for the queries `rows`, bool ``[B, rows, width]``."""
         if state.candidates is not None:
-            return state.candidates[batch, rows, :width]
+            return state.candidates[batch, rows, :width].to(self.wq_b.weight.device)
         if state.candidate_blocks is not None:
-            return candidate_mask_from_blocks(state.candidate_blocks[batch, rows], width, self.candidate_block_size)
+            blocks = state.candidate_blocks[batch, rows].to(self.wq_b.weight.device)
+            return candidate_mask_from_blocks(blocks, width, self.candidate_block_size)
         raise DeepseekV41AttentionError(f"layer {self.layer_id} uses candidates but none were published")
 
     def _select_per_row(
@@ -1181,7 +1186,7 @@ class DeepseekV41Attention(nn.Module):
                 raise DeepseekV41AttentionError(
                     f"layer {self.layer_id} needs the top-k indices of layer {self.index_source}, which has not run"
                 )
-            idxs = state.topk_idxs[self.index_source]
+            idxs = state.topk_idxs[self.index_source].to(x.device)  # (the source may sit on another GPU)
 
         if latents is not None:
             if have_latent_rows:
@@ -1197,7 +1202,7 @@ class DeepseekV41Attention(nn.Module):
                     f"layer {self.layer_id} needs the compressed KV of layer {self.kv_source}, which has none"
                 )
             return x.new_zeros(bsz, 0, self.head_dim), idxs
-        return source.rows(compress_len), idxs
+        return source.rows(compress_len).to(x.device), idxs
 
     def forward(self, hidden_states: torch.Tensor, state: DeepseekV41AttentionState) -> torch.Tensor:
         """hidden_states: bf16 ``[B, S, dim]`` (the attn_norm output) -> bf16 ``[B, S, dim]``.
