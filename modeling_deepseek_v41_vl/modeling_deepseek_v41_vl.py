@@ -73,6 +73,7 @@ from .vision_deepseek_v41_vl import (
     DeepseekV41VisionRMSNorm,
     DeepseekV41VisionTransformer,
     llm_grid,
+    on_device,
     parse_image_grid,
 )
 
@@ -217,6 +218,10 @@ class DeepseekV41DecoderLayer(nn.Module):
         Raises:
             DeepseekV41ModelError: an Engram layer called without hash ids.
         """
+        with on_device(hidden_states.device):
+            return self._forward(hidden_states, pre_mix_in, attention_state, image_mask, engram_hash_ids, engram_mask)
+
+    def _forward(self, hidden_states, pre_mix_in, attention_state, image_mask, engram_hash_ids, engram_mask):
         if self.engram is not None:
             if engram_hash_ids is None:
                 raise DeepseekV41ModelError(f"layer {self.layer_idx} runs Engram and needs engram_hash_ids")
@@ -410,7 +415,7 @@ class DeepseekV41Transformer(nn.Module):
         delimiters = ((IMAGE_START, self.image_start), (IMAGE_END, self.image_end), (IMAGE_NEW_LINE, self.image_newline))
         for role, vector in delimiters:
             h = torch.where((roles == role).unsqueeze(-1), vector.to(dtype), h)
-        return h.masked_scatter(image_positions.unsqueeze(-1), image_features.to(dtype))
+        return h.masked_scatter(image_positions.unsqueeze(-1), image_features.to(h.device, dtype))
 
     def get_image_span_embeddings(
         self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]

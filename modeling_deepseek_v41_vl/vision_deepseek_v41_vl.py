@@ -105,6 +105,14 @@ def parse_image_grid(
     return grids
 
 
+def on_device(device: torch.device):
+    """Make `device` the current CUDA device for a block placed on another GPU by a device_map
+    (Triton kernels launch on the current device's stream, and so does a CUDA-graph replay)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 @lru_cache(maxsize=16)
 def vision_rope_tables(
     n_h: int, n_w: int, rope_dim: int, theta: float, device: torch.device
@@ -229,8 +237,9 @@ class DeepseekV41VisionBlock(nn.Module):
         self.mlp = DeepseekV41VisionMLP(config)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.attn(self.norm1(hidden_states), cos, sin)
-        return hidden_states + self.mlp(self.norm2(hidden_states))
+        with on_device(hidden_states.device):
+            hidden_states = hidden_states + self.attn(self.norm1(hidden_states), cos, sin)
+            return hidden_states + self.mlp(self.norm2(hidden_states))
 
 
 class DeepseekV41VisionTransformer(nn.Module):
