@@ -40,8 +40,7 @@ from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import (
 from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
 from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import DeepseekV41ModelError, capture_intermediates
 
-from test_fast_numerics import fast_golden_model
-from test_model_golden import DECODE_STEPS, VARIANTS, golden_model, run_inputs
+from golden_models import DECODE_STEPS, VARIANTS, golden_model, run_inputs
 
 # README "Recommendations", 3: end to end without bit-exactness
 LOGITS_REL_L2 = 0.05
@@ -223,7 +222,7 @@ def test_chunk_inputs_are_checked_and_refusals_leave_no_trace(golden):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fast_numerics_chunked_prefill_is_close(golden, variant):
     """numerics="fast" (the default; what generation runs): chunked vs its own one prefill."""
-    model = fast_golden_model(golden, variant)
+    model = golden_model(golden, variant, "fast")
     tensors, inputs = run_inputs(golden, variant, "vl")
     with torch.no_grad():
         want = model(**inputs, logits_to_keep=0).logits

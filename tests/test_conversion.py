@@ -45,6 +45,8 @@ from deepseek_v41_vl.conversion.load_time import convert_state_dict, convert_ten
 from deepseek_v41_vl.conversion.make_tiny import make_tiny, tiny_reference_args, write_official_checkpoint
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
 
+from golden_models import run_inputs
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -670,20 +672,12 @@ def test_converted_folder_reproduces_the_golden_vl_prefill_logits(golden, tmp_pa
     folder = golden / f"model_tiny_{variant}"
     convert_checkpoint(folder, tmp_path / "out", progress=False, **MODES[mode])
     model = _load_core(tmp_path / "out")
-    tensors = load_file(folder / "vl.safetensors")
-    images = json.loads((folder / "meta.json").read_text())["vl_run"]["images"]
-    patches = load_file(golden / "preprocess" / "patches_small.safetensors")
+    tensors, inputs = run_inputs(golden, folder.name, "vl")
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.no_grad():
-            out = model(
-                input_ids=tensors["input_ids"],
-                mm_token_type_ids=(tensors["token_types"] >= 0).long(),
-                pixel_values=torch.cat([patches[im["patches_key_in_preprocess_patches_small"]] for im in images]),
-                image_grid_thw=torch.tensor([[1, im["n_vit_h"], im["n_vit_w"]] for im in images]),
-                logits_to_keep=0,
-            )
+            out = model(**inputs, logits_to_keep=0)
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(out.logits, tensors["prefill.logits"])

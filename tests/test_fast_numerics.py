@@ -21,20 +21,15 @@ groups, the query path a few rows at a time).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from tokenizers import Tokenizer
 
 import deepseek_v41_vl.modeling.attention_deepseek_v41_vl as attention_module
 from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41AttentionState
-from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
-from deepseek_v41_vl.modeling.engram_deepseek_v41_vl import build_compressed_token_map
-from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import DeepseekV41Transformer, capture_intermediates
+from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import capture_intermediates
 
-from test_model_golden import VARIANTS, convert_checkpoint, run_inputs
+from golden_models import VARIANTS, golden_model, run_inputs
 
 BLOCK_REL_L2 = 0.05
 SELECTION_AGREEMENT = 0.9
@@ -43,25 +38,6 @@ ARGMAX_AGREEMENT = 0.9
 # elements per chunk intermediate: forces chunks of a few queries on the tiny models
 TINY_BUDGET = 2000
 BUDGETS = {"default": attention_module.FAST_MAX_ELEMENTS, "chunked": TINY_BUDGET}
-
-_FAST_MODELS: dict[str, DeepseekV41Transformer] = {}
-
-
-def fast_golden_model(golden: Path, variant: str) -> DeepseekV41Transformer:
-    """A golden tiny model built with numerics="fast" (loaded like `test_model_golden`)."""
-    if variant not in _FAST_MODELS:
-        folder = golden / variant
-        config = DeepseekV41Config.from_reference_args(folder / "config.json", numerics="fast")
-        model = DeepseekV41Transformer(config).eval()
-        state = convert_checkpoint(load_file(folder / "model.safetensors"), config)
-        token_map, _ = build_compressed_token_map(
-            Tokenizer.from_file(str(folder / "tokenizer.json")), config.text_config.engram_compressed_vocab_size
-        )
-        state["engram_hash.token_map"] = token_map
-        model.load_state_dict(state, strict=True)
-        _FAST_MODELS[variant] = model
-    return _FAST_MODELS[variant]
-
 
 # one torch thread, as the golden fixtures were made (see conftest.one_torch_thread)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -79,7 +55,7 @@ def _same_rows(got: torch.Tensor, want: torch.Tensor, sort: bool = False) -> flo
 
 
 def test_the_fast_model_is_fast(golden):
-    model = fast_golden_model(golden, "model_tiny_fp8")
+    model = golden_model(golden, "model_tiny_fp8", "fast")
     modes = {m.numerics for m in model.modules() if isinstance(getattr(m, "numerics", None), str)}
     assert modes == {"fast"}
 
@@ -89,7 +65,7 @@ def test_the_fast_model_is_fast(golden):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fast_blocks_teacher_forced_within_bounds(golden, monkeypatch, variant, run, budget):
     monkeypatch.setattr(attention_module, "FAST_MAX_ELEMENTS", BUDGETS[budget])
-    model = fast_golden_model(golden, variant)
+    model = golden_model(golden, variant, "fast")
     tensors, inputs = run_inputs(golden, variant, run)
     index = json.loads((golden / variant / "meta.json").read_text())["hidden_state_index"]
     image_mask = inputs["mm_token_type_ids"].bool() if run == "vl" else None
@@ -116,7 +92,7 @@ def test_fast_blocks_teacher_forced_within_bounds(golden, monkeypatch, variant, 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fast_prefill_end_to_end_within_bounds(golden, monkeypatch, variant, run, budget):
     monkeypatch.setattr(attention_module, "FAST_MAX_ELEMENTS", BUDGETS[budget])
-    model = fast_golden_model(golden, variant)
+    model = golden_model(golden, variant, "fast")
     tensors, inputs = run_inputs(golden, variant, run)
     with torch.no_grad():
         logits = model(**inputs, logits_to_keep=0).logits

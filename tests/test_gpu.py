@@ -46,24 +46,17 @@ pytestmark = [
 import deepseek_v41_vl.triton_ops.moe_routing as moe_routing  # noqa: E402
 import deepseek_v41_vl.triton_ops.vision_rope as vision_rope  # noqa: E402
 from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41AttentionState  # noqa: E402
-from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import (  # noqa: E402
-    DeepseekV41Config,
-    DeepseekV41VisionConfig,
-)
-from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import (  # noqa: E402
-    DeepseekV41Transformer,
-    capture_intermediates,
-)
-from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import dequantize_fp8_weight  # noqa: E402
+from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41VisionConfig  # noqa: E402
+from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import capture_intermediates  # noqa: E402
 from deepseek_v41_vl.modeling.vision_deepseek_v41_vl import (  # noqa: E402
     DeepseekV41VisionAttention,
     DeepseekV41VisionTower,
     vision_rope_tables,
 )
 
+from golden_models import RUNS, VARIANTS, golden_model, golden_run, prefill_inputs  # noqa: E402
+
 CUDA = torch.device("cuda")
-VARIANTS = ("model_tiny_bf16", "model_tiny_fp8")
-RUNS = ("vl", "text")
 NUMERICS = ("fast", "exact")
 
 _METRICS: dict[str, object] = {}
@@ -162,54 +155,6 @@ def test_route_topk_kernel_matches_fallback(n_tokens, n_experts, top_k, with_ima
 # --------------------------------------------------------------------------------------------
 
 
-def _module_dtypes(checkpoint: dict[str, torch.Tensor], config: DeepseekV41Config) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors -> module dtypes (golden README section 6): packed fp4 experts viewed as
-    float4_e2m1fn_x2, `head` and ratio > 1 compressor weights in fp32, fp8 `wo_a` dequantized."""
-    ratios = config.text_config.compress_ratios
-    out = {}
-    for name, tensor in checkpoint.items():
-        if name.endswith("attn.wo_a.scale"):
-            continue
-        if name.endswith("attn.wo_a.weight") and tensor.dtype == torch.float8_e4m3fn:
-            tensor = dequantize_fp8_weight(tensor, checkpoint[name.removesuffix("weight") + "scale"])
-        elif name == "head.weight" or (".attn.compressor.w" in name and ratios[int(name.split(".")[1])] > 1):
-            tensor = tensor.float()
-        elif tensor.dtype == torch.int8:
-            tensor = tensor.view(torch.float4_e2m1fn_x2)
-        out[name] = tensor
-    return out
-
-
-_MODELS: dict[tuple[str, str], DeepseekV41Transformer] = {}
-
-
-def gpu_model(golden: Path, variant: str, numerics: str) -> DeepseekV41Transformer:
-    from safetensors.torch import load_file
-    from tokenizers import Tokenizer
-
-    from deepseek_v41_vl.modeling.engram_deepseek_v41_vl import build_compressed_token_map
-
-    key = (variant, numerics)
-    if key not in _MODELS:
-        folder = golden / variant
-        config = DeepseekV41Config.from_reference_args(folder / "config.json", numerics=numerics)
-        model = DeepseekV41Transformer(config).eval()
-        state = _module_dtypes(load_file(folder / "model.safetensors"), config)
-        token_map, _ = build_compressed_token_map(
-            Tokenizer.from_file(str(folder / "tokenizer.json")), config.text_config.engram_compressed_vocab_size
-        )
-        state["engram_hash.token_map"] = token_map
-        model.load_state_dict(state, strict=True)
-        _MODELS[key] = model.to(CUDA)
-    return _MODELS[key]
-
-
-def golden_run(golden: Path, variant: str, run: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(golden / variant / f"{run}.safetensors", device=str(CUDA))
-
-
 def _same_set_fraction(ours: torch.Tensor, ref: torch.Tensor) -> float:
     ours, ref = ours.reshape(-1, ours.size(-1)), ref.reshape(-1, ref.size(-1))
     return (ours.sort(-1).values == ref.to(ours.device).sort(-1).values).all(-1).float().mean().item()
@@ -219,8 +164,8 @@ def _same_set_fraction(ours: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("run", RUNS)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_golden_blocks_teacher_forced_on_gpu(golden, variant, run, numerics):
-    model = gpu_model(golden, variant, numerics)
-    tensors = golden_run(golden, variant, run)
+    model = golden_model(golden, variant, numerics, CUDA)
+    tensors = golden_run(golden, variant, run, CUDA)
     index = json.loads((golden / variant / "meta.json").read_text())["hidden_state_index"]
     image_mask = (tensors["token_types"] >= 0) if run == "vl" else None
     state = DeepseekV41AttentionState(start_pos=0)
@@ -247,27 +192,13 @@ def test_golden_blocks_teacher_forced_on_gpu(golden, variant, run, numerics):
         assert row["gate_same_set"] >= 0.9, row
 
 
-def prefill_inputs(golden: Path, variant: str, run: str, tensors: dict) -> dict:
-    """Model inputs of the golden prefill, on the GPU (the VL run adds its two images)."""
-    from safetensors.torch import load_file
-
-    inputs = {"input_ids": tensors["input_ids"]}
-    if run == "vl":
-        images = json.loads((golden / variant / "meta.json").read_text())["vl_run"]["images"]
-        patches = load_file(golden / "preprocess" / "patches_small.safetensors", device=str(CUDA))
-        inputs["mm_token_type_ids"] = (tensors["token_types"] >= 0).long()
-        inputs["pixel_values"] = torch.cat([patches[im["patches_key_in_preprocess_patches_small"]] for im in images])
-        inputs["image_grid_thw"] = torch.tensor([[1, im["n_vit_h"], im["n_vit_w"]] for im in images], device=CUDA)
-    return inputs
-
-
 @pytest.mark.parametrize("run", RUNS)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_golden_prefill_logits_on_gpu(golden, variant, run):
-    model = gpu_model(golden, variant, "fast")
-    tensors = golden_run(golden, variant, run)
+    model = golden_model(golden, variant, "fast", CUDA)
+    tensors = golden_run(golden, variant, run, CUDA)
     with torch.no_grad(), capture_intermediates(model) as captured:
-        logits = model(**prefill_inputs(golden, variant, run, tensors), logits_to_keep=0).logits
+        logits = model(**prefill_inputs(golden, variant, run, tensors, CUDA), logits_to_keep=0).logits
     ref = tensors["prefill.logits"]
     metrics = {
         "logits_rel_l2": rel_l2(logits, ref),
@@ -291,13 +222,13 @@ def test_golden_decode_on_gpu(golden, variant, run):
     one flipped argmax does not derail the rest)."""
     from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
 
-    model = gpu_model(golden, variant, "fast")
-    tensors = golden_run(golden, variant, run)
+    model = golden_model(golden, variant, "fast", CUDA)
+    tensors = golden_run(golden, variant, run, CUDA)
     cache = DeepseekV41Cache(model.config)
     steps = tensors["decode.logits"].size(0)
     errors, agree = [], []
     with torch.no_grad():
-        model(**prefill_inputs(golden, variant, run, tensors), cache=cache)
+        model(**prefill_inputs(golden, variant, run, tensors, CUDA), cache=cache)
         token = tensors["prefill.next_token"]
         for step in range(steps):
             logits = model(token.view(-1, 1), cache=cache).logits[:, -1]
@@ -318,8 +249,8 @@ def test_decode_cuda_graphs_equal_eager_steps(golden, variant):
     each kind, the graphs captured at the first step and replayed after)."""
     from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
 
-    model = gpu_model(golden, variant, "fast")
-    tensors = golden_run(golden, variant, "vl")
+    model = golden_model(golden, variant, "fast", CUDA)
+    tensors = golden_run(golden, variant, "vl", CUDA)
     results = {}
     for graphs in (False, True):
         for layer in model.layers:
@@ -328,7 +259,7 @@ def test_decode_cuda_graphs_equal_eager_steps(golden, variant):
         cache = DeepseekV41Cache(model.config)
         logits = []
         with torch.no_grad():
-            model(**prefill_inputs(golden, variant, "vl", tensors), cache=cache)
+            model(**prefill_inputs(golden, variant, "vl", tensors, CUDA), cache=cache)
             token = tensors["prefill.next_token"].view(-1, 1)
             for _ in range(16):
                 step = model(token, cache=cache).logits[:, -1]
@@ -537,7 +468,7 @@ def test_hf_wrapper_on_gpu_matches_the_golden_run(golden, converted_tiny_fp8):
     from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
 
     model = hf_all_gpu_run(golden, converted_tiny_fp8)["model"]
-    tensors = golden_run(golden, "model_tiny_fp8", "vl")
+    tensors = golden_run(golden, "model_tiny_fp8", "vl", CUDA)
     inputs, golden_tokens = hf_vl_inputs(golden, converted_tiny_fp8)
     assert torch.equal(inputs["input_ids"], tensors["input_ids"])
     with torch.no_grad():

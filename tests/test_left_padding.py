@@ -34,8 +34,8 @@ from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import (
 )
 from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
 
-from test_fast_numerics import TINY_BUDGET, fast_golden_model
-from test_model_golden import DECODE_STEPS, VARIANTS, golden_model, run_inputs
+from golden_models import DECODE_STEPS, VARIANTS, golden_model, run_inputs
+from test_fast_numerics import TINY_BUDGET
 
 import deepseek_v41_vl.modeling.attention_deepseek_v41_vl as attention_module
 
@@ -214,7 +214,7 @@ def test_padded_batch_prefilled_in_chunks(golden, variant):
 def test_fast_numerics_padded_rows_are_close_to_their_rows_alone(golden, monkeypatch, variant, budget):
     if budget is not None:
         monkeypatch.setattr(attention_module, "FAST_MAX_ELEMENTS", budget)
-    model = fast_golden_model(golden, variant)
+    model = golden_model(golden, variant, "fast")
     first, second, _ = _text_rows(golden, variant)
     rows = [first, second[:19]]
     ids, mask = left_pad(rows)

@@ -29,90 +29,31 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-from tokenizers import Tokenizer
 
 from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41AttentionState
 from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache, DeepseekV41CacheError
-from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
-from deepseek_v41_vl.modeling.engram_deepseek_v41_vl import build_compressed_token_map
 from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import (
     DeepseekV41ModelError,
     DeepseekV41Transformer,
     capture_intermediates,
     image_token_roles,
 )
-from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import dequantize_fp8_weight
 
-VARIANTS = ("model_tiny_bf16", "model_tiny_fp8")
-RUNS = ("vl", "text")
-DECODE_STEPS = 12
-
-
-# --------------------------------------------------------------------------------------------
-# Loading (golden README section 6, "Converting to module dtypes")
-# --------------------------------------------------------------------------------------------
-
-
-def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: DeepseekV41Config) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors -> module dtypes: I8 experts viewed as packed fp4, `head` and ratio>1
-    compressor weights to fp32, fp8 `wo_a` dequantized to bf16 with its block scale (dropped)."""
-    ratios = config.text_config.compress_ratios
-    out = {}
-    for name, tensor in checkpoint.items():
-        if name.endswith("attn.wo_a.scale"):
-            continue
-        if name.endswith("attn.wo_a.weight") and tensor.dtype == torch.float8_e4m3fn:
-            tensor = dequantize_fp8_weight(tensor, checkpoint[name.removesuffix("weight") + "scale"])
-        elif name == "head.weight":
-            tensor = tensor.float()
-        elif ".attn.compressor.w" in name and ratios[int(name.split(".")[1])] > 1:
-            tensor = tensor.float()
-        elif tensor.dtype == torch.int8:
-            tensor = tensor.view(torch.float4_e2m1fn_x2)
-        out[name] = tensor
-    return out
-
-
-def load_golden_model(folder: Path) -> DeepseekV41Transformer:
-    config = DeepseekV41Config.from_reference_args(folder / "config.json", numerics="exact")
-    model = DeepseekV41Transformer(config).eval()
-    state = convert_checkpoint(load_file(folder / "model.safetensors"), config)
-    # the one tensor the checkpoint lacks: the Engram token map, built from the tokenizer
-    token_map, _ = build_compressed_token_map(
-        Tokenizer.from_file(str(folder / "tokenizer.json")), config.text_config.engram_compressed_vocab_size
-    )
-    state["engram_hash.token_map"] = token_map
-    model.load_state_dict(state, strict=True)
-    return model
-
+from golden_models import (
+    DECODE_STEPS,
+    RUNS,
+    VARIANTS,
+    checkpoint_to_module_dtypes,
+    golden_checkpoint,
+    golden_model,
+    run_inputs,
+)
 
 # one torch thread, as the golden fixtures were made (see conftest.one_torch_thread)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-_MODELS: dict[str, DeepseekV41Transformer] = {}
 _RESULTS: dict[tuple[str, str], dict] = {}
-
-
-def golden_model(golden: Path, variant: str) -> DeepseekV41Transformer:
-    if variant not in _MODELS:
-        _MODELS[variant] = load_golden_model(golden / variant)
-    return _MODELS[variant]
-
-
-def run_inputs(golden: Path, variant: str, run: str) -> tuple[dict, dict]:
-    """(golden tensors of the run, model inputs of its prefill)."""
-    folder = golden / variant
-    tensors = load_file(folder / f"{run}.safetensors")
-    inputs = {"input_ids": tensors["input_ids"]}
-    if run == "vl":
-        images = json.loads((folder / "meta.json").read_text())["vl_run"]["images"]
-        patches = load_file(golden / "preprocess" / "patches_small.safetensors")
-        inputs["mm_token_type_ids"] = (tensors["token_types"] >= 0).long()
-        inputs["pixel_values"] = torch.cat([patches[im["patches_key_in_preprocess_patches_small"]] for im in images])
-        inputs["image_grid_thw"] = torch.tensor([[1, im["n_vit_h"], im["n_vit_w"]] for im in images])
-    return tensors, inputs
 
 
 def run_reference_sequence(golden: Path, variant: str, run: str) -> dict:
@@ -203,7 +144,7 @@ def assert_all_equal(pairs, what: str) -> None:
 def test_checkpoint_is_a_strict_state_dict(golden, variant):
     model = golden_model(golden, variant)
     config = model.config
-    state = convert_checkpoint(load_file(golden / variant / "model.safetensors"), config)
+    state = checkpoint_to_module_dtypes(golden_checkpoint(golden, variant), config)
     ours = model.state_dict()
     # every checkpoint tensor lands under its own name and module dtype; only the token map is extra
     assert set(ours) - set(state) == {"engram_hash.token_map"}

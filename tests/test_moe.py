@@ -25,9 +25,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
 
-from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config  # noqa: E402
 from deepseek_v41_vl.modeling.hyper_connection_deepseek_v41_vl import DeepseekV41HyperConnection  # noqa: E402
 from deepseek_v41_vl.modeling.moe_deepseek_v41_vl import (  # noqa: E402
     DeepseekV41Expert,
@@ -37,7 +35,7 @@ from deepseek_v41_vl.modeling.moe_deepseek_v41_vl import (  # noqa: E402
 )
 from deepseek_v41_vl.triton_ops.moe_routing import MoERoutingError  # noqa: E402
 
-VARIANTS = ("model_tiny_bf16", "model_tiny_fp8")
+from golden_models import VARIANTS, golden_checkpoint, golden_config, golden_run  # noqa: E402
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -51,13 +49,12 @@ class _Golden:
     """One golden variant: config, checkpoint, VL run tensors, and the rebuilt FFN inputs."""
 
     def __init__(self, root, variant: str):
-        folder = root / variant
-        self.config = DeepseekV41Config.from_reference_args(folder / "config.json")
+        self.config = golden_config(root, variant)
         self.text_config = self.config.text_config
         self.variant = variant
-        self.weights = load_file(folder / "model.safetensors")
-        self.vl = load_file(folder / "vl.safetensors")
-        meta = json.loads((folder / "meta.json").read_text())
+        self.weights = golden_checkpoint(root, variant)
+        self.vl = golden_run(root, variant, "vl")
+        meta = json.loads((root / variant / "meta.json").read_text())
         self.hidden_state_index = meta["hidden_state_index"]
         self.differs_with_text_bias = meta["image_rows_whose_experts_would_differ_with_text_bias"]
         self.image_rows = self.vl["token_types"] >= 0  # the whole span: START/NEWLINE/END included
