@@ -119,7 +119,8 @@ class _RowBuffer:
     """
 
     def __init__(self, rows: torch.Tensor):
-        self._data = rows.contiguous()
+        # a copy, never a view: the rows may be a CUDA graph's output, rewritten by its next replay
+        self._data = rows.clone(memory_format=torch.contiguous_format)
         self.length = rows.size(1)
 
     @classmethod

@@ -10,7 +10,10 @@ that serving engines use; see :meth:`DeepseekV41DecoderLayer.decode_step`.
 :class:`GraphedSegment` captures a pure function of tensors, once per input signature, into a graph
 and replays it: the arguments are copied into the graph's static inputs, the graph is replayed,
 and the outputs are returned, as fresh tensors (clones) when the caller may keep them past the
-segment's next replay. Graphs of one model share one memory pool.
+segment's next replay. The decode graphs of every layer (of every model) on one GPU share one
+memory pool: safe because they replay one after another on one stream; decoding two models
+concurrently from several threads or streams is not supported with graphs on (set
+`decode_cuda_graphs = False` on their layers).
 """
 
 from __future__ import annotations
@@ -78,7 +81,10 @@ class GraphedSegment:
         return graph, inputs, outputs
 
     def __call__(self, *args):
-        device = next(a for a in args if a is not None).device
+        tensors = [a for a in args if a is not None]
+        if not tensors:
+            raise ValueError("GraphedSegment needs at least one tensor argument")
+        device = tensors[0].device
         if device.index is not None and device.index != torch.cuda.current_device():
             # a layer placed on another GPU (a device_map): capture and replay on its device
             # and stream

@@ -317,13 +317,29 @@ def engram_offload_device_map(
     return device_map
 
 
+def _is_device(value) -> bool:
+    # an accelerator index, a torch.device, or a device string ("cuda:1", "cpu"); torch.device(int)
+    # itself needs an accelerator present, so indices are checked by hand
+    if isinstance(value, torch.device):
+        return True
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value >= 0
+    if isinstance(value, str):
+        try:
+            torch.device(value)
+        except (RuntimeError, ValueError):
+            return False
+        return True
+    return False
+
+
 def device_map_with_engram_tables(device_map, engram_device: str, model: nn.Module, max_memory: dict | None = None):
     """The `device_map` for ``from_pretrained(device_map=..., engram_device="cpu")``.
 
     Args:
         device_map: an inferred-map string (``"auto"``, ``"balanced"``, ``"balanced_low_0"``,
             ``"sequential"``: :func:`engram_offload_device_map`), a dict (the table entries are
-            added, overriding any the dict has) or one device (int, "cuda:1", torch.device: the
+            added; a table entry of the dict other than "cpu" is refused) or one device (int, "cuda:1", torch.device: the
             whole model there, the tables on "cpu").
         engram_device: "cpu" (the only placement supported).
         model: the model to be loaded, typically on the meta device (names and sizes).
@@ -333,7 +349,8 @@ def device_map_with_engram_tables(device_map, engram_device: str, model: nn.Modu
         a dict device map.
 
     Raises:
-        DeepseekV41EngramPlacementError: `engram_device` is not "cpu", or `device_map` is None.
+        DeepseekV41EngramPlacementError: `engram_device` is not "cpu", `device_map` is None, not a
+            device / dict / inferred-map name, or a dict placing a table elsewhere than "cpu".
     """
     if engram_device != "cpu":
         raise DeepseekV41EngramPlacementError(f"engram_device must be 'cpu', got {engram_device!r}")
@@ -345,8 +362,19 @@ def device_map_with_engram_tables(device_map, engram_device: str, model: nn.Modu
         return engram_offload_device_map(model, max_memory=max_memory, strategy=device_map)
     names = engram_table_names(model)
     if isinstance(device_map, Mapping):
+        conflicting = {
+            k: v for k, v in device_map.items() if v != "cpu" and any(k == n or k.startswith(n + ".") for n in names)
+        }
+        if conflicting:
+            raise DeepseekV41EngramPlacementError(
+                f"engram_device='cpu' puts every Engram table on the CPU, but device_map places {conflicting}"
+            )
         base = without_entries(device_map, names)
     else:
+        if not _is_device(device_map):
+            raise DeepseekV41EngramPlacementError(
+                f"device_map {device_map!r} is neither a device, a dict nor one of {sorted(INFERRED_DEVICE_MAPS)}"
+            )
         base = {"": device_map}
     return dict(base, **dict.fromkeys(names, "cpu"))
 

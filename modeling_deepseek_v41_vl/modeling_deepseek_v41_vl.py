@@ -190,8 +190,30 @@ class DeepseekV41DecoderLayer(nn.Module):
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.empty(3, dtype=torch.float32)))
         # One-token decode steps on CUDA (numerics "fast") replay the fixed-shape parts of the block
         # from CUDA graphs (see `decode_step`). A plain attribute: set False to run them eagerly.
-        self.decode_cuda_graphs: bool = bool(getattr(config, "decode_cuda_graphs", True))
         self._decode_segments: tuple[GraphedSegment, GraphedSegment] | None = None
+        self.decode_cuda_graphs = getattr(config, "decode_cuda_graphs", True)
+
+    @property
+    def decode_cuda_graphs(self) -> bool:
+        """Whether one-token decode steps on CUDA (numerics "fast") replay the fixed-shape parts of
+        the block from CUDA graphs (`decode_step`). Default True.
+
+        Raises (on assignment):
+            DeepseekV41ModelError: a value that is not a bool.
+        """
+        return self._decode_cuda_graphs
+
+    @decode_cuda_graphs.setter
+    def decode_cuda_graphs(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise DeepseekV41ModelError(f"decode_cuda_graphs must be True or False, got {value!r}")
+        self._decode_cuda_graphs = value
+
+    def _apply(self, fn, *args, **kwargs):
+        # `.to()` / `.cuda()` / dtype casts move the weights: graphs captured before would read the
+        # old addresses
+        self._decode_segments = None
+        return super()._apply(fn, *args, **kwargs)
 
     def forward(
         self,
@@ -307,7 +329,17 @@ class DeepseekV41DecoderLayer(nn.Module):
 
         Returns:
             ``(x2, f_pre)`` as :meth:`block`.
+
+        Raises:
+            DeepseekV41ModelError: not one token per row, position 0 (a prefill), or `graphs`
+                with tensors that are not on a CUDA device.
         """
+        if x.dim() != 4 or x.size(1) != 1:
+            raise DeepseekV41ModelError(f"decode_step takes one token per row, x [B, 1, hc, D]; got {tuple(x.shape)}")
+        if attention_state.start_pos == 0:
+            raise DeepseekV41ModelError("decode_step follows a prefill: attention_state.start_pos is 0")
+        if graphs and not x.is_cuda:
+            raise DeepseekV41ModelError(f"decode_step(graphs=True) needs CUDA tensors, got {x.device}")
         freqs = self.attn.decode_freqs(attention_state, x.device)
         head, tail = self._decode_head, self._decode_tail
         if graphs:

@@ -111,3 +111,77 @@ def test_decode_attend_refuses_a_prefill():
     with torch.no_grad(), pytest.raises(DeepseekV41AttentionError, match="one token after a prefill"):
         qr, kv, q, *extras = layer.attn.decode_project(x, freqs)
         layer.attn.decode_attend(x, qr, kv, q, freqs, DeepseekV41AttentionState(start_pos=0), *extras)
+
+
+def _replayed(fn):
+    """`fn` with a CUDA graph's output semantics: every call returns the same tensors (per input
+    signature), rewritten in place, as `GraphedSegment` does for the head."""
+    outputs = {}
+
+    def call(*args):
+        fresh = fn(*args)
+        key = tuple(None if a is None else (tuple(a.shape), a.dtype) for a in args)
+        if key not in outputs:
+            outputs[key] = tuple(None if o is None else o.clone() for o in fresh)
+        for static, o in zip(outputs[key], fresh):
+            if static is not None:
+                static.copy_(o)
+        return outputs[key]
+
+    return call
+
+
+@pytest.mark.parametrize("prefill", [1, 2, 5])
+def test_head_outputs_rewritten_by_the_next_step_do_not_leak_into_the_cache(prefill):
+    # a prompt shorter than a compressor group: the first latent of the ratio-2 source is stored
+    # by a decode step, from the head's outputs, which a graph rewrites at the next replay
+    text, layers = _layers("fast")
+    steps = 6
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1, prefill + steps, text.hc_mult, text.hidden_size, generator=gen).to(torch.bfloat16)
+    pre = torch.softmax(torch.randn(1, prefill + steps, text.hc_mult, generator=gen), -1)
+    with torch.no_grad():
+        state = DeepseekV41AttentionState(start_pos=0)
+        for layer in layers:
+            layer.block(x[:, :prefill], pre[:, :prefill], state)
+        replay_cache = copy.deepcopy(state.cache)
+        for layer in layers:
+            layer._decode_head = _replayed(layer._decode_head)
+        try:
+            for t in range(prefill, prefill + steps):
+                whole = DeepseekV41AttentionState(start_pos=t, cache=state.cache)
+                replay = DeepseekV41AttentionState(start_pos=t, cache=replay_cache)
+                h_whole = h_replay = x[:, t : t + 1]
+                m_whole = m_replay = pre[:, t : t + 1]
+                for layer in layers:
+                    h_whole, m_whole = layer.block(h_whole, m_whole, whole)
+                    h_replay, m_replay = layer.decode_step(h_replay, m_replay, replay)
+                    assert torch.equal(h_whole, h_replay), (t, layer.layer_idx)
+        finally:
+            for layer in layers:
+                del layer._decode_head
+    a, b = _cache_tensors(state.cache), _cache_tensors(replay_cache)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_decode_step_and_its_switch_refuse_bad_input():
+    from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import DeepseekV41ModelError
+
+    text, layers = _layers("fast")
+    layer = layers[0]
+    x = torch.randn(1, 3, text.hc_mult, text.hidden_size).to(torch.bfloat16)
+    pre = torch.full((1, 3, text.hc_mult), 0.25)
+    with torch.no_grad():
+        with pytest.raises(DeepseekV41ModelError, match="one token per row"):
+            layer.decode_step(x, pre, DeepseekV41AttentionState(start_pos=5))
+        with pytest.raises(DeepseekV41ModelError, match="follows a prefill"):
+            layer.decode_step(x[:, :1], pre[:, :1], DeepseekV41AttentionState(start_pos=0))
+        with pytest.raises(DeepseekV41ModelError, match="needs CUDA"):
+            layer.decode_step(x[:, :1], pre[:, :1], DeepseekV41AttentionState(start_pos=5), graphs=True)
+    for bad in ("False", None, 0, torch.tensor(True)):
+        with pytest.raises(DeepseekV41ModelError, match="True or False"):
+            layer.decode_cuda_graphs = bad
+    layer.decode_cuda_graphs = False
+    assert layer.decode_cuda_graphs is False

@@ -116,9 +116,17 @@ def test_device_map_with_engram_tables_forms(golden):
     model = empty_model(config)
     assert engram_table_names(model) == TABLES
     assert device_map_with_engram_tables(0, "cpu", model) == {"": 0, TABLES[0]: "cpu", TABLES[1]: "cpu"}
-    given = {"model.layers": 1, "": 0, f"{TABLES[0]}.weight": 0}
+    given = {"model.layers": 1, "": 0, f"{TABLES[0]}.weight": "cpu"}
     want = {"model.layers": 1, "": 0, TABLES[0]: "cpu", TABLES[1]: "cpu"}
     assert device_map_with_engram_tables(given, "cpu", model) == want
+    assert device_map_with_engram_tables("cuda:1", "cpu", model) == {"": "cuda:1", TABLES[0]: "cpu", TABLES[1]: "cpu"}
+    # a table the map puts elsewhere contradicts engram_device="cpu": refused, not overridden
+    for elsewhere in ({"": 0, TABLES[1]: "disk"}, {"": 0, f"{TABLES[0]}.weight": 0}):
+        with pytest.raises(DeepseekV41EngramPlacementError, match="puts every Engram table on the CPU"):
+            device_map_with_engram_tables(elsewhere, "cpu", model)
+    for bogus in ("bogus", -1, True, 1.5):
+        with pytest.raises(DeepseekV41EngramPlacementError, match="neither a device, a dict nor one of"):
+            device_map_with_engram_tables(bogus, "cpu", model)
     with pytest.raises(DeepseekV41EngramPlacementError, match="engram_device must be 'cpu'"):
         device_map_with_engram_tables("auto", "cuda", model)
     with pytest.raises(DeepseekV41EngramPlacementError, match="needs a device_map"):
