@@ -787,3 +787,37 @@ def test_layers_split_over_two_gpus_decode_from_graphs_like_one_gpu(golden, conv
     _METRICS["two_gpus"] = {"logits_rel_l2": rel_l2(logits.to(CUDA), reference["logits"]), "tokens_equal": tokens.tolist() == reference["tokens"]}
     assert rel_l2(logits.to(CUDA), reference["logits"]) < 1e-3
     assert tokens.tolist() == reference["tokens"]
+
+
+def test_decode_cuda_graphs_from_a_one_token_prompt_equal_eager_steps(golden):
+    """A one-token prompt: the ratio-2 source's first compressed row is made by a graph-replayed
+    decode step; the cache must keep it (not the head graph's output buffer, which the next replay
+    rewrites). 12 greedy steps, graphs vs eager: same logits, same compressed KV and index keys."""
+    from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
+
+    model = golden_model(golden, "model_tiny_fp8", "fast", CUDA)
+    tensors = golden_run(golden, "model_tiny_fp8", "text", CUDA)
+    results = {}
+    for graphs in (False, True):
+        for layer in model.layers:
+            layer.decode_cuda_graphs = graphs
+            layer._decode_segments = None
+        cache = DeepseekV41Cache(model.config)
+        logits = []
+        with torch.no_grad():
+            token = tensors["input_ids"][:, :1]
+            step = model(token, cache=cache).logits[:, -1]
+            for _ in range(12):
+                token = step.argmax(-1, keepdim=True)
+                step = model(token, cache=cache).logits[:, -1]
+                logits.append(step)
+        results[graphs] = (torch.stack(logits), cache)
+    for layer in model.layers:
+        layer.decode_cuda_graphs = True
+    assert rel_l2(results[True][0], results[False][0]) < 1e-5
+    for layer_id, state in results[False][1].attention.layers.items():
+        other = results[True][1].attention.layers[layer_id]
+        for name in ("compressed_kv", "index_k"):
+            ours, ref = getattr(other, name), getattr(state, name)
+            if ref is not None:
+                assert torch.equal(ours.rows(ours.length), ref.rows(ref.length)), (layer_id, name)
