@@ -102,6 +102,35 @@ if triton is not None:
         return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
+    def _e4m3_scaled_f32(v):
+        # fp16 with the e4m3 exponent and mantissa bits in place is the value times 2^-8, e4m3
+        # subnormals landing on fp16 subnormals; fp16 -> fp32 is exact
+        low7 = v & 0x7F
+        h = ((v & 0x80) << 8) | (low7 << 7)
+        h = tl.where(low7 == 0x7F, 0x7FFF, h)  # e4m3fn NaN -> fp16 NaN
+        return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def fp4_tile_to_bf16(u, sb, ROWS: tl.constexpr, GROUPS: tl.constexpr):
+        """Packed E2M1 bytes `u` (int32 ``[ROWS, GROUPS, 16]``, the even element in the low nibble)
+        and their e8m0 scale bytes `sb` (int32 ``[ROWS, GROUPS]``) -> bf16 ``[ROWS, GROUPS, 32]``,
+        bitwise `dequantize_fp4_weight`. Shared with `moe_prefill.py`."""
+        # fp16 with the e2m1 bits in place is the value times 2^-14 (0.5 lands on an fp16 subnormal)
+        x_lo = (((u & 0x08) << 12) | ((u & 0x07) << 9)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        x_hi = (((u & 0x80) << 8) | ((u & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        if (tl.min(tl.min(sb, axis=1), axis=0) >= 2) & (tl.max(tl.max(sb, axis=1), axis=0) <= 240):
+            # 2^(b-127) * 2^14 is a normal fp32 and every product a normal bf16: one exact multiply
+            factor = ((sb + 14) << 23).to(tl.float32, bitcast=True)[:, :, None]
+            lo = (x_lo * factor).to(tl.bfloat16)
+            hi = (x_hi * factor).to(tl.bfloat16)
+        else:
+            # torch's own product, value * scale.float(), then round to nearest even
+            scale = _e8m0_to_fp32(sb)[:, :, None]
+            lo = _bf16_rne((x_lo * 16384.0) * scale)
+            hi = _bf16_rne((x_hi * 16384.0) * scale)
+        return tl.reshape(tl.join(lo, hi), (ROWS, GROUPS, 32))  # even element (low nibble) first
+
+    @triton.jit
     def _dequant_fp8_kernel(
         w_ptr,
         s_ptr,
@@ -127,12 +156,7 @@ if triton is not None:
         sb = sb.to(tl.int32)
         v = tl.load(w_ptr + row0.to(tl.int64) * stride_w + r * stride_w + col, mask=ok, other=0).to(tl.int32)
 
-        # fp16 with the e4m3 exponent and mantissa bits in place is the value times 2^-8, e4m3
-        # subnormals landing on fp16 subnormals; fp16 -> fp32 is exact
-        low7 = v & 0x7F
-        h = ((v & 0x80) << 8) | (low7 << 7)
-        h = tl.where(low7 == 0x7F, 0x7FFF, h)  # e4m3fn NaN -> fp16 NaN
-        x = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        x = _e4m3_scaled_f32(v)
         if (tl.min(sb, axis=0) >= 10) & (tl.max(sb, axis=0) <= 246):
             # 2^(b-127) * 2^8 is a normal fp32 and every product a normal bf16: one exact multiply
             factor = ((sb + 8) << 23).to(tl.float32, bitcast=True)
@@ -168,22 +192,7 @@ if triton is not None:
         byte = tl.arange(0, 16)[None, None, :]
         ok = s_ok[:, :, None] & (byte < 16)
         u = tl.load(w_ptr + row0.to(tl.int64) * stride_w + r * stride_w + g * 16 + byte, mask=ok, other=0).to(tl.int32)
-
-        # fp16 with the e2m1 bits in place is the value times 2^-14 (0.5 lands on an fp16 subnormal)
-        x_lo = (((u & 0x08) << 12) | ((u & 0x07) << 9)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        x_hi = (((u & 0x80) << 8) | ((u & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        if (tl.min(tl.min(sb, axis=1), axis=0) >= 2) & (tl.max(tl.max(sb, axis=1), axis=0) <= 240):
-            # 2^(b-127) * 2^14 is a normal fp32 and every product a normal bf16: one exact multiply
-            factor = ((sb + 14) << 23).to(tl.float32, bitcast=True)[:, :, None]
-            lo = (x_lo * factor).to(tl.bfloat16)
-            hi = (x_hi * factor).to(tl.bfloat16)
-        else:
-            # torch's own product, value * scale.float(), then round to nearest even
-            scale = _e8m0_to_fp32(sb)[:, :, None]
-            lo = _bf16_rne((x_lo * 16384.0) * scale)
-            hi = _bf16_rne((x_hi * 16384.0) * scale)
-
-        out = tl.reshape(tl.join(lo, hi), (ROWS, GROUPS, 32))  # even element (low nibble) first
+        out = fp4_tile_to_bf16(u, sb, ROWS, GROUPS)
         col = g * 32 + tl.arange(0, 32)[None, None, :]
         out_ok = s_ok[:, :, None] & (col >= 0)
         tl.store(o_ptr + row0.to(tl.int64) * stride_o + r * stride_o + col, out, mask=out_ok)

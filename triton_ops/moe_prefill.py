@@ -49,6 +49,7 @@ from .kernel_backend import triton_interpret_mode
 from .moe_experts import _FORMATS, QUANT_GROUP, ExpertWeightTable
 
 if triton is not None:
+    from .dequant import _e4m3_scaled_f32, fp4_tile_to_bf16
     from .moe_experts import _e8m0_to_f32, _fake_quant_rows_kernel
 
 __all__ = [
@@ -127,28 +128,10 @@ if triton is not None:
             if FMT == 1:
                 byte = tl.arange(0, 16)[None, None, :]
                 u = tl.load(w_base + w_off + r * (K // 2) + g * 16 + byte, mask=ok2[:, :, None] & (byte < 16), other=0)
-                u = u.to(tl.int32)
-                # the E2M1 bits placed in an fp16 give the value times 2^-14 (0.5 lands on a subnormal)
-                x_lo = (((u & 0x08) << 12) | ((u & 0x07) << 9)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                x_hi = (((u & 0x80) << 8) | ((u & 0x70) << 5)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-                if (tl.min(tl.min(sb, axis=1), axis=0) >= 2) & (tl.max(tl.max(sb, axis=1), axis=0) <= 240):
-                    # 2^(b-127) * 2^14 is a normal fp32 and every product a normal bf16: exact
-                    factor = ((sb + 14) << 23).to(tl.float32, bitcast=True)[:, :, None]
-                    lo = (x_lo * factor).to(tl.bfloat16)
-                    hi = (x_hi * factor).to(tl.bfloat16)
-                else:
-                    # torch's own product (value * scale in fp32), rounded to nearest even by bits
-                    scale = _e8m0_to_f32(sb)[:, :, None]
-                    lo = _to_bf16_rne((x_lo * 16384.0) * scale)
-                    hi = _to_bf16_rne((x_hi * 16384.0) * scale)
-                out = tl.reshape(tl.join(lo, hi), (ROWS, GROUPS, 32))  # even element (low nibble) first
+                out = fp4_tile_to_bf16(u.to(tl.int32), sb, ROWS, GROUPS)
             else:
                 v = tl.load(w_base + w_off + r * K + col, mask=ok, other=0).to(tl.int32)
-                # the e4m3 bits placed in an fp16 give the value times 2^-8; e4m3fn NaN -> fp16 NaN
-                low7 = v & 0x7F
-                h = ((v & 0x80) << 8) | (low7 << 7)
-                h = tl.where(low7 == 0x7F, 0x7FFF, h)
-                x = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+                x = _e4m3_scaled_f32(v)  # the value times 2^-8
                 if (tl.min(tl.min(sb, axis=1), axis=0) >= 10) & (tl.max(tl.max(sb, axis=1), axis=0) <= 246):
                     factor = ((sb + 8) << 23).to(tl.float32, bitcast=True)[:, :, None]
                     out = (x * factor).to(tl.bfloat16)
