@@ -207,10 +207,9 @@ def _dispatch_keeping_tables(dispatch):
 
 
 @contextlib.contextmanager
-def keep_engram_tables_resident() -> Iterator[None]:
-    """While `from_pretrained` runs: Engram tables mapped to "cpu" under a layer that is not
-    offloaded are dispatched as resident host tensors (module docstring), by wrapping
-    `transformers.integrations.accelerate.dispatch_model` (what `from_pretrained` calls)."""
+def wrapped_dispatch_model(wrap) -> Iterator[None]:
+    """For the duration of the block, `transformers.integrations.accelerate.dispatch_model` (what
+    `from_pretrained` calls to place a `device_map`) is ``wrap(original)``; nested blocks stack."""
     try:
         from transformers.integrations import accelerate as hf_accelerate
     except ImportError:  # pragma: no cover - accelerate is a dependency
@@ -220,11 +219,17 @@ def keep_engram_tables_resident() -> Iterator[None]:
     if original is None:
         yield
         return
-    hf_accelerate.dispatch_model = _dispatch_keeping_tables(original)
+    hf_accelerate.dispatch_model = wrap(original)
     try:
         yield
     finally:
         hf_accelerate.dispatch_model = original
+
+
+def keep_engram_tables_resident():
+    """While `from_pretrained` runs: Engram tables mapped to "cpu" under a layer that is not
+    offloaded are dispatched as resident host tensors (module docstring). A context manager."""
+    return wrapped_dispatch_model(_dispatch_keeping_tables)
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,5 +392,6 @@ __all__ = [
     "engram_offload_device_map",
     "engram_table_names",
     "keep_engram_tables_resident",
+    "wrapped_dispatch_model",
     "resident_engram_tables",
 ]

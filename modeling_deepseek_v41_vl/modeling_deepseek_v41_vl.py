@@ -61,6 +61,7 @@ from .engram_placement_deepseek_v41_vl import (
     device_map_with_engram_tables,
     empty_model,
     keep_engram_tables_resident,
+    wrapped_dispatch_model,
 )
 from ..processing.image_spans_deepseek_v41_vl import IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START, image_span_length
 from ..processing.image_spans_deepseek_v41_vl import image_token_roles as _image_token_roles
@@ -766,34 +767,24 @@ def _restore_host_tensors(model: nn.Module) -> None:
                 module.inv_freq = rope_inv_frequencies(module.rope_dim, module.base, **module.yarn)
 
 
-@contextlib.contextmanager
-def _offloaded_layers_load_whole(module_classes: list[str]) -> Iterator[None]:
+def _offloaded_layers_load_whole(module_classes: list[str]):
     """While `from_pretrained` dispatches a `device_map` with offloaded ("cpu"/"disk") entries: the
     offloaded decoder layers and ViT blocks bring ALL their weights to the execution device when
     they start (accelerate's `preload_module_classes`). Without it accelerate loads each submodule's
     weights only when that submodule is called, and a layer that reads a child's weight directly
     (the attention's grouped `wo_a` einsum) would see a meta tensor. transformers does not pass the
-    option itself, so its `dispatch_model` is wrapped for the duration of the call."""
-    try:
-        from transformers.integrations import accelerate as hf_accelerate
-    except ImportError:  # pragma: no cover - accelerate is a dependency
-        yield
-        return
-    original = getattr(hf_accelerate, "dispatch_model", None)
-    if original is None:
-        yield
-        return
+    option itself, so its `dispatch_model` is wrapped for the duration of the call. A context
+    manager."""
 
-    @functools.wraps(original)
-    def dispatch_model(*args, **kwargs):
-        kwargs.setdefault("preload_module_classes", module_classes)
-        return original(*args, **kwargs)
+    def wrap(original):
+        @functools.wraps(original)
+        def dispatch_model(*args, **kwargs):
+            kwargs.setdefault("preload_module_classes", module_classes)
+            return original(*args, **kwargs)
 
-    hf_accelerate.dispatch_model = dispatch_model
-    try:
-        yield
-    finally:
-        hf_accelerate.dispatch_model = original
+        return dispatch_model
+
+    return wrapped_dispatch_model(wrap)
 
 
 def _official_layout_index(path) -> dict[str, str] | None:
