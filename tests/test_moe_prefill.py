@@ -10,7 +10,6 @@ expert on the same bf16 operands), the same epilogue ops and a fake-quant kernel
 from __future__ import annotations
 
 import importlib
-import math
 import os
 
 # must precede the first import of triton: triton.jit picks the interpreter at definition time
@@ -34,6 +33,7 @@ from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import (  # noqa: E40
     dequantize_fp4_weight,
     dequantize_fp8_weight,
 )
+from random_storage import fill_quantized_storage  # noqa: E402
 
 ENV = moe_prefill.ENV_BACKEND
 HIDDEN, INTER = 64, 32
@@ -48,22 +48,7 @@ def _tiny_moe(fmt: str, limit: float, n_experts: int = 8, top_k: int = 2, seed: 
     )
     moe = DeepseekV41MoE(cfg, 0).eval()
     gen = torch.Generator().manual_seed(seed)
-    for module in moe.modules():
-        if not hasattr(module, "weight_dtype"):
-            continue
-        w, std = module.weight, module.in_features**-0.5
-        if module.weight_dtype == "fp4":
-            w.data.view(torch.uint8).copy_(torch.randint(0, 256, w.shape, generator=gen, dtype=torch.uint8))
-            exponent = 127 + round(math.log2(std / 3))
-        elif module.weight_dtype == "fp8":
-            values = torch.randn(w.shape, generator=gen).clamp(-4, 4).to(torch.float8_e4m3fn)
-            w.data.view(torch.uint8).copy_(values.view(torch.uint8))
-            exponent = 127 + round(math.log2(std))
-        else:
-            w.data.copy_((torch.randn(w.shape, generator=gen) * std).to(w.dtype))
-            continue
-        spread = torch.randint(-1, 2, module.scale.shape, generator=gen)
-        module.scale.data.view(torch.uint8).copy_((exponent + spread).to(torch.uint8))
+    fill_quantized_storage(moe, gen)
     moe.gate.weight.data.copy_(torch.randn(moe.gate.weight.shape, generator=gen).bfloat16())
     # a strongly negative bias keeps the last experts unused (0 rows inside a chunk)
     bias = torch.randn(n_experts, generator=gen) * 0.1

@@ -16,7 +16,6 @@ rounding or routing weight breaks one of the two by a wide margin.
 from __future__ import annotations
 
 import importlib
-import math
 import os
 
 # must precede the first import of triton: triton.jit picks the interpreter at definition time
@@ -36,6 +35,7 @@ if not moe_experts._kernels_interpreted():
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41TextConfig  # noqa: E402
 from deepseek_v41_vl.modeling.moe_deepseek_v41_vl import DeepseekV41MoE  # noqa: E402
 from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import fake_quant_fp8  # noqa: E402
+from random_storage import fill_quantized_storage  # noqa: E402
 
 MoEExpertsError = moe_experts.MoEExpertsError
 ENV = moe_experts.ENV_BACKEND
@@ -52,23 +52,7 @@ def _tiny_moe(fmt: str, limit: float, top_k: int = 2, n_experts: int = N_EXPERTS
     )
     moe = DeepseekV41MoE(cfg, 0).eval()
     gen = torch.Generator().manual_seed(seed)
-    for module in moe.modules():
-        if not hasattr(module, "weight_dtype"):
-            continue
-        w, std = module.weight, module.in_features**-0.5
-        if module.weight_dtype == "fp4":
-            w.data.view(torch.uint8).copy_(torch.randint(0, 256, w.shape, generator=gen, dtype=torch.uint8))
-            exponent = 127 + round(math.log2(std / 3))
-        elif module.weight_dtype == "fp8":
-            values = torch.randn(w.shape, generator=gen).clamp(-4, 4).to(torch.float8_e4m3fn)
-            w.data.view(torch.uint8).copy_(values.view(torch.uint8))
-            exponent = 127 + round(math.log2(std))
-        else:
-            w.data.copy_((torch.randn(w.shape, generator=gen) * std).to(w.dtype))
-            continue
-        # one exponent per scale, spread by +-1 so that scales differ between groups and rows
-        spread = torch.randint(-1, 2, module.scale.shape, generator=gen)
-        module.scale.data.view(torch.uint8).copy_((exponent + spread).to(torch.uint8))
+    fill_quantized_storage(moe, gen)
     moe.gate.weight.data.copy_(torch.randn(moe.gate.weight.shape, generator=gen).bfloat16())
     moe.gate.bias.data.copy_(torch.randn(n_experts, generator=gen) * 0.1)
     moe.gate.bias_vl.data.copy_(torch.randn(n_experts, generator=gen) * 0.1)
