@@ -495,42 +495,13 @@ LAYER_KINDS = [(0, "window-only (ratio 0)"), (2, "ratio-2 kv+index source"), (20
 
 
 def _init_layer(layer, gen) -> None:
-    """Random weights in the layer's storage: fp8 e4m3 values + power-of-two e8m0 scales, packed
-    fp4 bytes + e8m0 scales, bf16/fp32 linears ~ fan_in^-0.5, norms 1, mHC mixes small."""
-    from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import DeepseekV41Linear
+    """Random weights in the layer's storage (fp8 e4m3 + e8m0 scales, packed fp4 + e8m0 scales,
+    bf16/fp32 ~ fan_in^-0.5, norms 1): `decoder_layers.py: init_our_layer`, the one initializer of
+    the benchmarks (and of the tests that load this file)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from decoder_layers import init_our_layer
 
-    device = next(layer.parameters()).device
-    done = set()
-    for module in layer.modules():
-        if not isinstance(module, DeepseekV41Linear):
-            continue
-        w, std = module.weight, module.in_features**-0.5
-        # fp8 / fp4 / e8m0 written through uint8 views: byte copies work for every storage dtype
-        if module.weight_dtype == "fp8":
-            values = torch.randn(w.shape, generator=gen, device=device).clamp(-4, 4).to(torch.float8_e4m3fn)
-            w.data.view(torch.uint8).copy_(values.view(torch.uint8))
-            exponent = 127 + round(math.log2(std))
-        elif module.weight_dtype == "fp4":
-            w.data.view(torch.uint8).copy_(torch.randint(0, 256, w.shape, generator=gen, device=device, dtype=torch.uint8))
-            exponent = 127 + round(math.log2(std / 3))  # e2m1 magnitudes average ~2.7
-        else:
-            w.data.copy_((torch.randn(w.shape, generator=gen, device=device) * std).to(w.dtype))
-            exponent = None
-        done.add(id(w))
-        if exponent is not None:
-            done.add(id(module.scale))
-            module.scale.data.view(torch.uint8).fill_(exponent)
-    for name, p in layer.named_parameters():
-        if id(p) in done:
-            continue
-        if name.endswith("norm.weight") or name.endswith("_scale"):
-            p.data.fill_(1.0)
-        elif name.endswith("_base") or name.endswith("bias") or name.endswith("bias_vl"):
-            p.data.copy_(torch.randn(p.shape, generator=gen, device=device) * 0.01)
-        elif p.dim() >= 2 and p.is_floating_point():
-            p.data.copy_((torch.randn(p.shape, generator=gen, device=device) * p.shape[-1] ** -0.5).to(p.dtype))
-        elif p.is_floating_point():
-            p.data.copy_(torch.randn(p.shape, generator=gen, device=device).to(p.dtype))
+    init_our_layer(layer, gen)
 
 
 def section_layers(device, quick, results) -> str:
