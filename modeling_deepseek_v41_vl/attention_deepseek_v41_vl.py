@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..triton_ops.sparse_attention import SPARSE_ATTN_BLOCK
+from ..triton_ops.sparse_attention import resolve_backend as resolve_sparse_backend
 from ..triton_ops.sparse_attention import sparse_attention as sparse_attention_op
 from .quantization_deepseek_v41_vl import DeepseekV41Linear, fake_quant_fp4, fake_quant_fp8
 from .rope_deepseek_v41_vl import DeepseekV41RotaryEmbedding, apply_rotary
@@ -160,6 +161,27 @@ class _RowBuffer:
         if n > self.length:
             raise DeepseekV41AttentionError(f"asked for {n} cached rows, only {self.length} exist")
         return self._data[:, :n]
+
+    def reserve(self, capacity: int) -> None:
+        """Make room for `capacity` rows (the storage moves only when it grows)."""
+        self._grow(capacity)
+
+    def storage(self, n: int) -> torch.Tensor:
+        """The first `n` rows of the storage, written or not (``n <= capacity``; a decode step
+        captured in a CUDA graph reads a fixed width and masks the rows past `length`)."""
+        if n > self._data.size(1):
+            raise DeepseekV41AttentionError(f"asked for {n} storage rows, the capacity is {self._data.size(1)}")
+        return self._data[:, :n]
+
+    def write_at(self, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write `rows` ``[B, n, D]`` at the storage rows `index` (int64 ``[n]``, on the device):
+        no host synchronisation, so a CUDA graph may capture it. `length` is left to the caller,
+        who knows the step's position on the host."""
+        self._data.index_copy_(1, index, rows.to(self._data.dtype))
+
+    @property
+    def address(self) -> int:
+        return self._data.data_ptr()
 
 
 @dataclass
@@ -596,6 +618,39 @@ class DecodeProjections:
                 self.latent, self.latent_kv, self.latent_k)
 
 
+# A graph-captured decode step reads the compressed rows and index keys in widths of powers of two
+# (at least this many rows): a new graph only when the sequence crosses one.
+DECODE_MIN_ROWS = 256
+
+
+def decode_rows(visible: int) -> int:
+    """Rows of a compressed buffer a graph-safe decode step reads when `visible` are in use."""
+    return max(DECODE_MIN_ROWS, 1 << max(visible - 1, 0).bit_length())
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Host-side layout of one layer's graph-safe decode step (:meth:`DeepseekV41Attention.decode_plan`).
+
+    Attributes:
+        visible: compressed positions the step's query sees, ``(start_pos + 1) // ratio`` (0 for a
+            window-only layer).
+        width: rows of the compressed KV and index keys the step reads (:func:`decode_rows`; the
+            rows from `visible` on are masked).
+        writes: the step appends a compressed row (and an index key, for key owners) at row
+            ``visible - 1``.
+        publisher: the layer whose index keys the indexer reads (index sources), else None.
+        key: what a CUDA graph of the step depends on besides its tensor arguments: the above and
+            the address and shape of every cache buffer it reads or writes in place.
+    """
+
+    visible: int
+    width: int
+    writes: bool
+    publisher: int | None
+    key: tuple
+
+
 class DeepseekV41Compressor(nn.Module):
     """Pools `ratio` consecutive tokens into one KV latent (returned before RoPE).
 
@@ -678,6 +733,12 @@ class DeepseekV41Compressor(nn.Module):
         pooled = (group_kv * group_score.softmax(dim=1)).sum(dim=1, keepdim=True)
         return self.norm(pooled.to(dtype))
 
+    def pool_parked(self, cache: DeepseekV41LayerAttentionCache, dtype) -> torch.Tensor:
+        """The latent of the group held in the parked slots (all `ratio` written): normalized
+        ``[B, 1, D]`` in `dtype`, the reference's `Compressor` decode pooling."""
+        pooled = (cache.compressor_kv * cache.compressor_score.softmax(dim=1)).sum(dim=1, keepdim=True)
+        return self.norm(pooled.to(dtype))
+
     def ends_group(self, start_pos: int) -> bool:
         """Whether a one-token step at `start_pos` (no padding) completes a group."""
         return self.ratio > 1 and (start_pos + 1) % self.ratio == 0
@@ -700,8 +761,7 @@ class DeepseekV41Compressor(nn.Module):
         if (start_pos + 1) % ratio:
             return None
         if latent is None:
-            pooled = (cache.compressor_kv * cache.compressor_score.softmax(dim=1)).sum(dim=1, keepdim=True)
-            latent = self.norm(pooled.to(x.dtype))
+            latent = self.pool_parked(cache, x.dtype)
         group = start_pos // ratio
         return _Latents(latent, torch.arange(group, group + 1, device=x.device), first=group)
 
@@ -926,6 +986,47 @@ class DeepseekV41Indexer(nn.Module):
             state.index_scores[self.layer_id] = scores_kept[0] if len(scores_kept) == 1 else torch.cat(scores_kept, dim=1)
         return idxs[0] if len(idxs) == 1 else torch.cat(idxs, dim=1)
 
+    def decode_select(
+        self,
+        q: torch.Tensor,
+        weights: torch.Tensor,
+        keys: torch.Tensor,
+        visible: torch.Tensor,
+        offset: int,
+        candidate_blocks: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A one-token step's top-k over a fixed width of keys (graph-safe: no shape or branch
+        depends on the sequence length, which arrives as the device tensor `visible`).
+
+        Args:
+            q, weights: :meth:`queries` of the step, ``[B, 1, IH, Id]`` and ``[B, 1, IH]``.
+            keys: ``[B, W, Id]`` index keys; rows from `visible` on are masked (-inf).
+            visible: int64 ``[1]``, the compressed positions the query sees.
+            offset: added to the kept positions (the window rows before the compressed KV).
+            candidate_blocks: candidate users: the candidate source's kept block ids ``[B, 1, kb]``.
+
+        Returns:
+            int32 ``[B, 1, min(index_topk, W)]`` indices (-1 = none), unsorted (as the fast
+            one-token path of :meth:`_select`), and for the candidate source its kept block ids
+            ``[B, 1, min(candidate_topk_blocks, ceil(W / block))]`` (-1 = none), else None.
+        """
+        width = keys.size(1)
+        scores = torch.einsum("bshd,btd->bsht", q, keys)
+        scores = (scores.relu_() * weights.unsqueeze(-1)).sum(dim=2)
+        scores = scores.masked_fill(torch.arange(width, device=q.device) >= visible, -torch.inf)
+        blocks = None
+        if self.is_candidate_source:
+            blocks = candidate_block_ids(scores, visible, self.candidate_topk_blocks, self.candidate_block_size)
+            n_blocks = -(-width // self.candidate_block_size)
+            blocks = blocks.to(torch.int16 if n_blocks <= torch.iinfo(torch.int16).max else torch.int32)
+        elif self.uses_candidates:
+            if candidate_blocks is None:
+                raise DeepseekV41AttentionError(f"layer {self.layer_id} uses candidates but none were published")
+            keep = candidate_mask_from_blocks(candidate_blocks, width, self.candidate_block_size)
+            scores = scores.masked_fill(~keep, -torch.inf)
+        picked = scores.topk(min(self.index_topk, width), dim=-1, sorted=False).indices
+        return torch.where(picked < visible, picked + offset, -1).int(), blocks
+
     def _candidate_mask(self, state: DeepseekV41AttentionState, rows: slice, width: int, batch: slice) -> torch.Tensor:
         """The candidate source's kept positions for the queries `rows`, bool ``[B, rows, width]``."""
         if state.candidates is not None:
@@ -1141,11 +1242,7 @@ class DeepseekV41Attention(nn.Module):
             raise DeepseekV41AttentionError("a forward after position 0 before any prefill: the window cache is empty")
         if start_pos > 0 and seqlen == 1:
             layer_cache.window_kv[:, start_pos % win] = kv.squeeze(1)
-            idxs = state.step_table(
-                ("decode_window_idxs", win, bsz, start_pos, x.device),
-                lambda: decode_window_idxs(win, bsz, start_pos, state.pad_offsets, x.device),
-            )
-            return layer_cache.window_kv, idxs
+            return layer_cache.window_kv, self.decode_window_idxs(state, bsz, x.device)
         if start_pos == 0:
             window_kv = kv
             layer_cache.window_kv = kv.new_zeros(bsz, win, self.head_dim)
@@ -1256,6 +1353,11 @@ class DeepseekV41Attention(nn.Module):
             chunk = _query_chunk(self.numerics, q.size(0) * SPARSE_ATTN_BLOCK * (self.head_dim + self.n_heads), q.device)
         return sparse_attention_op(q, kv, idxs, self.attn_sink, self.softmax_scale, backend=backend, query_chunk=chunk)
 
+    def sparse_attention_graph_safe(self, device: torch.device) -> bool:
+        """Whether this layer's sparse attention on `device` can be captured in a CUDA graph: the
+        Triton kernel can; the torch fallback checks its indices on the host."""
+        return resolve_sparse_backend(self.attention_backend or "auto", device) == "triton"
+
     def output(self, o: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE, the grouped ``wo_a`` (bf16 einsum) and ``wo_b``: o bf16 ``[B, n, H, D]`` ->
         bf16 ``[B, n, dim]``."""
@@ -1285,12 +1387,171 @@ class DeepseekV41Attention(nn.Module):
         cache = state.cache.layer(self.layer_id)
         if cache.compressor_kv is None:
             return ()
+        return cache.compressor_kv, cache.compressor_score, self._group_freqs(state, device)
+
+    def _group_freqs(self, state: DeepseekV41AttentionState, device: torch.device) -> torch.Tensor:
+        """RoPE table ``[1, rd/2]`` of the first position of the group a step at `start_pos` ends."""
         first = state.start_pos + 1 - self.ratio
-        group_freqs = state.step_table(
+        return state.step_table(
             ("group_freqs", self.rotary.table_key, first, device),
             lambda: self.rotary(torch.arange(first, first + 1, device=device)),
         )
-        return cache.compressor_kv, cache.compressor_score, group_freqs
+
+    # -- one-token decode as one graph-safe function (fast numerics, no left padding) ------------
+    def decode_plan(self, state: DeepseekV41AttentionState, batch: int) -> DecodePlan | None:
+        """The host-side layout of this layer's step in :meth:`decode_static`, or None when the
+        step must take :meth:`decode_attend` (exact numerics, left padding, recorded index scores,
+        or a cache that does not hold what the step reads yet: the first steps after a prompt
+        shorter than a compressor group). Makes room in the buffers the step writes or reads (a
+        buffer that grows moves: its address is part of the plan's key).
+        """
+        if self.numerics != "fast" or state.pad_offsets is not None or state.record_index_scores:
+            return None
+        cache = state.cache
+        own = cache.layer(self.layer_id)
+        if own.window_kv is None or own.window_kv.size(0) != batch:
+            return None
+        key = [batch, own.window_kv.data_ptr()]
+        if not self.ratio:
+            return DecodePlan(0, 0, False, None, tuple(key))
+        visible = (state.start_pos + 1) // self.ratio
+        if visible == 0:
+            return None
+        width = decode_rows(visible)
+        writes = False
+        owns_k = self.indexer is not None and self.indexer.owns_k
+        if self.is_kv_source:
+            writes = self.ratio == 1 or self.compressor.ends_group(state.start_pos)
+            if own.compressed_kv is None or own.compressed_kv.length != visible - writes:
+                return None
+            if owns_k and (own.index_k is None or own.index_k.length != own.compressed_kv.length):
+                return None
+            if self.ratio > 1:
+                if own.compressor_kv is None:
+                    return None
+                key += [own.compressor_kv.data_ptr(), own.compressor_score.data_ptr()]
+            own.compressed_kv.reserve(width)
+            if owns_k:
+                own.index_k.reserve(width)
+                key.append(own.index_k.address)
+        source = cache.layer(self.kv_source).compressed_kv
+        if source is None or (source.length + (writes and self.kv_source == self.layer_id)) < visible:
+            return None
+        source.reserve(width)
+        key.append(source.address)
+        publisher = None
+        if self.is_index_source:
+            publisher = self.layer_id if owns_k and writes else cache.index_k_publisher
+            if publisher is None or cache.index_k_publisher_rows is not None:
+                return None
+            keys = cache.layer(publisher).index_k
+            if keys is None or keys.length + (publisher == self.layer_id and writes) < visible:
+                return None
+            keys.reserve(width)
+            key += [publisher, keys.address]
+            if self.indexer.uses_candidates and state.candidate_blocks is None:
+                return None
+        elif self.index_source not in state.topk_idxs:
+            return None
+        return DecodePlan(visible, width, writes, publisher, (*key, width, writes))
+
+    def decode_window_idxs(self, state: DeepseekV41AttentionState, batch: int, device: torch.device) -> torch.Tensor:
+        """Ring slots a one-token step at `state.start_pos` attends to, int32 ``[B, 1, window]``
+        (built once per step for all layers)."""
+        win, start_pos = self.window, state.start_pos
+        return state.step_table(
+            ("decode_window_idxs", win, batch, start_pos, device),
+            lambda: decode_window_idxs(win, batch, start_pos, state.pad_offsets, device),
+        )
+
+    def decode_static(
+        self,
+        plan: DecodePlan,
+        cache: DeepseekV41AttentionCache,
+        x: torch.Tensor,
+        freqs: torch.Tensor,
+        group_freqs: torch.Tensor | None,
+        pos: torch.Tensor,
+        window_idxs: torch.Tensor,
+        topk_idxs: torch.Tensor | None = None,
+        candidate_blocks: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The attention of a one-token step with every shape fixed by `plan` and the position
+        given on the device, so that a CUDA graph can capture it whole: projections, the ring
+        write, the compressor (slot write, pooling on a step that ends a group, the compressed
+        row and index key written in place), the indexer over `plan.width` keys, the sparse
+        attention over ``[ring ; plan.width compressed rows]``. Equals :meth:`forward` up to the
+        order in which tied or equal top-k picks are listed (the kept set is the same).
+
+        Args:
+            plan: from :meth:`decode_plan` for this step (its host bookkeeping is
+                :meth:`decode_commit`, after this).
+            cache: the attention cache the plan was made on.
+            x: bf16 ``[B, 1, dim]`` (attn_norm output); freqs: the step's RoPE table;
+            group_freqs: the table of the group's first position (a ratio > 1 source's step
+                that ends a group), else None.
+            pos: int64 ``[1]``, the step's position; window_idxs: :meth:`decode_window_idxs`.
+            topk_idxs: layers that are not index sources: the index source's indices this step.
+            candidate_blocks: candidate users: the candidate source's kept blocks this step.
+
+        Returns:
+            ``(o, topk_idxs, candidate_blocks)``: o bf16 ``[B, 1, H, head_dim]`` (before
+            :meth:`output`); this layer's top-k indices (index sources) and kept blocks (the
+            candidate source), else None.
+        """
+        qr, kv_row, q, *extras = self.decode_project(x, freqs)
+        pre = DecodeProjections(*extras)
+        own = cache.layer(self.layer_id)
+        own.window_kv.index_copy_(1, pos % self.window, kv_row)
+        if not self.ratio:
+            return self._sparse(q, own.window_kv, window_idxs), None, None
+        if self.is_kv_source:
+            latent_kv, latent_k = pre.latent_kv, pre.latent_k
+            if self.ratio > 1:
+                slot = pos % self.ratio
+                own.compressor_kv.index_copy_(1, slot, pre.compressor_kv)
+                own.compressor_score.index_copy_(1, slot, pre.compressor_score)
+                if plan.writes:
+                    latent = self.compressor.pool_parked(own, x.dtype)
+                    latent_kv = fake_quant_fp4(apply_rotary(latent, group_freqs), *COMPRESSED_KV_FP4)
+                    if self.indexer is not None and self.indexer.owns_k:
+                        latent_k = self.indexer.index_keys_of(latent, group_freqs)
+            if plan.writes:
+                row = pos // self.ratio
+                own.compressed_kv.write_at(row, latent_kv)
+                if latent_k is not None:
+                    own.index_k.write_at(row, latent_k)
+        blocks = None
+        if self.is_index_source:
+            keys = cache.layer(plan.publisher).index_k.storage(plan.width)
+            visible = (pos + 1) // self.ratio
+            topk_idxs, blocks = self.indexer.decode_select(
+                pre.index_q, pre.index_weights, keys, visible, self.window, candidate_blocks
+            )
+        compressed = cache.layer(self.kv_source).compressed_kv.storage(plan.width)
+        kv = torch.cat([own.window_kv, compressed], dim=1)
+        o = self._sparse(q, kv, torch.cat([window_idxs, topk_idxs], dim=-1))
+        return o, (topk_idxs if self.is_index_source else None), blocks
+
+    def decode_commit(
+        self,
+        plan: DecodePlan,
+        state: DeepseekV41AttentionState,
+        topk_idxs: torch.Tensor | None,
+        candidate_blocks: torch.Tensor | None,
+    ) -> None:
+        """The host-side bookkeeping of a :meth:`decode_static` step: row counts of the written
+        buffers, the index-key publisher, and what the step hands down to later layers."""
+        if plan.writes:
+            own = state.cache.layer(self.layer_id)
+            own.compressed_kv.length = plan.visible
+            if self.indexer is not None and self.indexer.owns_k:
+                own.index_k.length = plan.visible
+                state.cache.publish_index_keys(self.layer_id)
+        if topk_idxs is not None:
+            state.topk_idxs[self.layer_id] = topk_idxs
+        if candidate_blocks is not None:
+            state.candidate_blocks = candidate_blocks
 
     def decode_project(
         self,
@@ -1362,6 +1623,7 @@ __all__ = [
     "DeepseekV41Compressor",
     "DeepseekV41Indexer",
     "DeepseekV41LayerAttentionCache",
+    "DecodePlan",
     "DeepseekV41RMSNorm",
     "candidate_block_ids",
     "candidate_mask_from_blocks",

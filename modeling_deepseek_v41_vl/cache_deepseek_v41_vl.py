@@ -30,7 +30,15 @@ class DeepseekV41CacheError(ValueError):
 
 
 def _select_rows(tensor, index: torch.Tensor):
-    return None if tensor is None else tensor.index_select(0, index.to(tensor.device))
+    if tensor is None:
+        return None
+    rows = tensor.index_select(0, index.to(tensor.device))
+    if rows.shape == tensor.shape and tensor.is_contiguous():
+        # same batch size (beam search reorders every step): keep the storage, so that decode
+        # steps captured in CUDA graphs (which address the cache buffers) are replayed, not
+        # captured again
+        return tensor.copy_(rows)
+    return rows
 
 
 class DeepseekV41CacheLayer(CacheLayerMixin):

@@ -1,16 +1,22 @@
-"""CUDA graphs for the fixed-shape parts of a one-token decode step.
+"""CUDA graphs for one-token decode steps.
 
 A decode step of one decoder layer launches a few hundred small kernels; eagerly, the host's launch
-cost (not the GPU) sets its time. Most of the step has shapes that never change between steps (one
-token per row: the mHC mixes, norms, projections, MoE), so it can be captured once in a CUDA graph
-and replayed. Only the middle of the attention (ring write, compressor, indexer, sparse attention
-over a KV that grows with the sequence) keeps running eagerly. This is the "piecewise" capture
-that serving engines use; see :meth:`DeepseekV41DecoderLayer.decode_step`.
+cost (not the GPU) sets its time. :meth:`DeepseekV41DecoderLayer.decode_step` therefore replays
+steps from CUDA graphs, in one of two ways:
 
-:class:`GraphedSegment` captures a pure function of tensors, once per input signature, into a graph
-and replays it: the arguments are copied into the graph's static inputs, the graph is replayed,
-and the outputs are returned, as fresh tensors (clones) when the caller may keep them past the
-segment's next replay. The decode graphs of every layer (of every model) on one GPU share one
+- the whole step in one graph (the usual case: fast numerics, no left padding). The attention
+  reads and writes its caches in place at addresses that stay fixed between steps (buffers with
+  a reserved capacity), and the step's position arrives as a device tensor; a graph is captured
+  per cache layout (buffer addresses and the capacity bucket read), so a new one is needed only
+  when a buffer grows or a new cache is allocated at other addresses;
+- "piecewise" (left-padded batches, and the first steps before a compressed buffer exists): the
+  fixed-shape head (mHC mixes, norms, projections) and tail (output projection, MoE) replayed, the
+  cache-dependent middle of the attention run eagerly.
+
+:class:`GraphedSegment` captures a function of tensors, once per input signature (and layout key),
+into a graph and replays it: the arguments are copied into the graph's static inputs, the graph is
+replayed, and the outputs are returned, as fresh tensors (clones) when the caller may keep them
+past the segment's next replay. The decode graphs of every layer (of every model) on one GPU share one
 memory pool: safe because they replay one after another on one stream; decoding two models
 concurrently from several threads or streams is not supported with graphs on (set
 `decode_cuda_graphs = False` on their layers).
@@ -18,6 +24,7 @@ concurrently from several threads or streams is not supported with graphs on (se
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -39,6 +46,10 @@ class GraphedSegment:
         borrowed: positions of arguments that are another graph's static tensors (the same
             storage at every call, e.g. the outputs of the segment before): the capture reads them
             in place, and a call that passes that storage again copies nothing.
+        clone_first: with `clone_outputs`, clone only this many leading outputs (the rest are
+            consumed before the next replay).
+        max_graphs: graphs kept, least recently used dropped first (each holds its own
+            intermediates in the pool).
     """
 
     def __init__(
@@ -48,13 +59,17 @@ class GraphedSegment:
         owner_key: Callable[[], object] | None = None,
         clone_outputs: bool = True,
         borrowed: tuple[int, ...] = (),
+        clone_first: int | None = None,
+        max_graphs: int = 8,
     ):
         self.fn = fn
         self.clone_outputs = clone_outputs
+        self.clone_first = clone_first
         self.borrowed = frozenset(borrowed)
         self.pool = pool
         self.owner_key = owner_key
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list, object]] = {}
+        self.max_graphs = max_graphs
+        self._graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, list, object]] = OrderedDict()
         self._owner: object = None
 
     @staticmethod
@@ -66,21 +81,31 @@ class GraphedSegment:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def _capture(self, args) -> tuple[torch.cuda.CUDAGraph, list, object]:
+    def _capture(self, args, context) -> tuple[torch.cuda.CUDAGraph, list, object]:
+        fn = self.fn if context is None else (lambda *a: self.fn(context, *a))
         inputs = [a if (a is None or i in self.borrowed) else a.clone() for i, a in enumerate(args)]
         stream = torch.cuda.Stream(device=next(a for a in args if a is not None).device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            # warm-up outside the capture: Triton compiles, lazy tables and cuBLAS handles
-            # are created here, not inside the graph
-            self.fn(*inputs)
+            # warm-up outside the capture: Triton compiles and autotunes, lazy tables and cuBLAS
+            # handles are created here, not inside the graph. Its side effects on caches are
+            # repeated by the replay that follows, which writes the same values again.
+            fn(*inputs)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.fn(*inputs)
+            outputs = fn(*inputs)
         return graph, inputs, outputs
 
-    def __call__(self, *args):
+    def __call__(self, *args, key: tuple = (), context=None):
+        """Replay (capturing first if needed) for these arguments.
+
+        Args:
+            key: hashable layout the graph depends on besides the arguments' signatures (e.g. the
+                addresses of cache buffers it reads and writes in place).
+            context: passed as ``fn(context, *args)`` when not None; only used when capturing, so
+                everything of it the graph depends on must be in `key`.
+        """
         tensors = [a for a in args if a is not None]
         if not tensors:
             raise ValueError("GraphedSegment needs at least one tensor argument")
@@ -89,18 +114,22 @@ class GraphedSegment:
             # a layer placed on another GPU (a device_map): capture and replay on its device
             # and stream
             with torch.cuda.device(device):
-                return self._call(args)
-        return self._call(args)
+                return self._call(args, key, context)
+        return self._call(args, key, context)
 
-    def _call(self, args):
+    def _call(self, args, key, context):
         owner = self.owner_key() if self.owner_key is not None else None
         if owner != self._owner:
             self._graphs.clear()
             self._owner = owner
-        key = self._signature(args)
+        key = (self._signature(args), key)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._graphs[key] = self._capture(args)
+            while len(self._graphs) >= self.max_graphs:
+                self._graphs.popitem(last=False)
+            entry = self._graphs[key] = self._capture(args, context)
+        else:
+            self._graphs.move_to_end(key)
         graph, inputs, outputs = entry
         for static, a in zip(inputs, args):
             if static is not None and static.data_ptr() != a.data_ptr():
@@ -109,7 +138,8 @@ class GraphedSegment:
         if not self.clone_outputs:
             return outputs
         if isinstance(outputs, tuple):
-            return tuple(o.clone() for o in outputs)
+            n = len(outputs) if self.clone_first is None else self.clone_first
+            return tuple(o.clone() if (i < n and o is not None) else o for i, o in enumerate(outputs))
         return outputs.clone()
 
 

@@ -189,10 +189,13 @@ class DeepseekV41DecoderLayer(nn.Module):
             self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.empty(mix, hc * dim, dtype=torch.float32)))
             self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.empty(mix, dtype=torch.float32)))
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.empty(3, dtype=torch.float32)))
-        # One-token decode steps on CUDA (numerics "fast") replay the fixed-shape parts of the block
-        # from CUDA graphs (see `decode_step`). A plain attribute: set False to run them eagerly.
-        self._decode_segments: tuple[GraphedSegment, GraphedSegment] | None = None
+        # One-token decode steps on CUDA (numerics "fast") are replayed from CUDA graphs (see
+        # `decode_step`): the whole step, or (piecewise) its fixed-shape head and tail
+        self._decode_segments: dict[str, GraphedSegment] | None = None
         self.decode_cuda_graphs = getattr(config, "decode_cuda_graphs", True)
+        # fast numerics without padding: the step as one graph-safe function (False: the
+        # piecewise split everywhere, which `forward` equals bit for bit; tests compare the two)
+        self._whole_decode_step = True
 
     @property
     def decode_cuda_graphs(self) -> bool:
@@ -266,6 +269,9 @@ class DeepseekV41DecoderLayer(nn.Module):
         """
         if self._decode_graphs_apply(x, attention_state):
             return self.decode_step(x, pre_mix_in, attention_state, image_mask, graphs=True)
+        if self._whole_decode_step and x.size(1) == 1 and attention_state.start_pos > 0 and self.attn.numerics == "fast":
+            # the same computation a graph replays (eager graphs off, or on the CPU)
+            return self.decode_step(x, pre_mix_in, attention_state, image_mask)
         hc = self.hc
         attn_pre, attn_post, attn_comb = hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         f = self.attn(self.attn_norm(hc.pre(x, pre_mix_in)), attention_state)
@@ -287,6 +293,31 @@ class DeepseekV41DecoderLayer(nn.Module):
 
     def _decode_tail(self, o, freqs, x, attn_pre, attn_post, attn_comb, image_mask):
         return self._ffn_half(self.attn.output(o, freqs), x, attn_pre, attn_post, attn_comb, image_mask)
+
+    def _decode_whole(self, context, x, pre_mix_in, freqs, group_freqs, pos, window_idxs, image_mask, topk_idxs, blocks):
+        plan, cache = context
+        attn_pre, attn_post, attn_comb = self.hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        xa = self.attn_norm(self.hc.pre(x, pre_mix_in))
+        o, topk_idxs, blocks = self.attn.decode_static(plan, cache, xa, freqs, group_freqs, pos, window_idxs, topk_idxs, blocks)
+        x2, f_pre = self._ffn_half(self.attn.output(o, freqs), x, attn_pre, attn_post, attn_comb, image_mask)
+        return x2, f_pre, topk_idxs, blocks
+
+    def _segment(self, name: str, device: torch.device) -> GraphedSegment:
+        if self._decode_segments is None:
+            self._decode_segments = {}
+        if name not in self._decode_segments:
+            pool = _graph_pool(device)
+            self._decode_segments[name] = {
+                # the step's output rows go to the caller; the hand-downs are read within the step
+                "whole": lambda: GraphedSegment(self._decode_whole, pool, self._graph_owner_key, clone_first=2),
+                # the head's outputs are consumed within the step; the tail's go to the caller
+                "head": lambda: GraphedSegment(self._decode_head, pool, self._graph_owner_key, clone_outputs=False),
+                # the tail reads the head's x, freqs and mixes in place (no copies)
+                "tail": lambda: GraphedSegment(
+                    self._decode_tail, pool, self._graph_owner_key, clone_outputs=True, borrowed=(1, 2, 3, 4, 5)
+                ),
+            }[name]()
+        return self._decode_segments[name]
 
     def _decode_graphs_apply(self, x, state: DeepseekV41AttentionState) -> bool:
         if not (self.decode_cuda_graphs and x.is_cuda and x.size(1) == 1 and state.start_pos > 0):
@@ -318,8 +349,15 @@ class DeepseekV41DecoderLayer(nn.Module):
         and collapse, `attn_norm`, the attention's projections), the attention's cache-dependent
         middle (:meth:`DeepseekV41Attention.decode_attend`), the tail (`wo_a`/`wo_b`, mHC,
         `ffn_norm`, MoE, mHC). The head and tail have the same shapes at every step; with `graphs`
-        (CUDA only) they are captured once per batch size in CUDA graphs and replayed. The result
-        equals :meth:`block`'s (bitwise when run eagerly: the same operations).
+        (CUDA only) they are captured once per batch size in CUDA graphs and replayed.
+
+        In fast numerics without left padding the step instead runs as one function whose shapes
+        are fixed by :meth:`DeepseekV41Attention.decode_plan` (the middle is
+        :meth:`DeepseekV41Attention.decode_static`: caches written in place, the compressed rows
+        read in a bucketed width), and with `graphs` the whole step is one CUDA graph, captured
+        per cache layout. :meth:`block` takes the same route for such steps, so graphs on and off
+        compute the same values; against the piecewise split it differs only in the order of the
+        top-k picks (the same set), hence in the sparse attention's fp32 summation order.
 
         Args:
             x: bf16 ``[B, 1, hc, D]``; pre_mix_in: fp32 ``[B, 1, hc]``.
@@ -342,22 +380,39 @@ class DeepseekV41DecoderLayer(nn.Module):
         if graphs and not x.is_cuda:
             raise DeepseekV41ModelError(f"decode_step(graphs=True) needs CUDA tensors, got {x.device}")
         freqs = self.attn.decode_freqs(attention_state, x.device)
+        plan = self.attn.decode_plan(attention_state, x.size(0)) if self._whole_decode_step else None
+        if plan is not None and (not graphs or self.attn.sparse_attention_graph_safe(x.device)):
+            return self._decode_step_whole(plan, x, pre_mix_in, freqs, attention_state, image_mask, graphs)
         head, tail = self._decode_head, self._decode_tail
         if graphs:
-            if self._decode_segments is None:
-                pool = _graph_pool(x.device)
-                # the head's outputs are consumed within the step; the tail's go to the caller
-                self._decode_segments = (
-                    GraphedSegment(head, pool, self._graph_owner_key, clone_outputs=False),
-                    # the tail reads the head's x, freqs and mixes in place (no copies)
-                    GraphedSegment(tail, pool, self._graph_owner_key, clone_outputs=True, borrowed=(1, 2, 3, 4, 5)),
-                )
-            head, tail = self._decode_segments
+            head, tail = self._segment("head", x.device), self._segment("tail", x.device)
         # a step that ends a compressor group also pools it in the head (from the parked slots)
         group_inputs = self.attn.decode_group_inputs(attention_state, x.device)
         x, head_freqs, attn_pre, attn_post, attn_comb, xa, *projections = head(x, pre_mix_in, freqs, *group_inputs)
         o = self.attn.decode_attend(xa, *projections[:3], freqs, attention_state, *projections[3:])
         return tail(o, head_freqs, x, attn_pre, attn_post, attn_comb, image_mask)
+
+    def _decode_step_whole(self, plan, x, pre_mix_in, freqs, state: DeepseekV41AttentionState, image_mask, graphs: bool):
+        attn, device = self.attn, x.device
+        group_freqs = attn._group_freqs(state, device) if plan.writes and attn.ratio > 1 else None
+        pos = state.step_table(
+            ("decode_pos", device), lambda: torch.full((1,), state.start_pos, dtype=torch.int64, device=device)
+        )
+        window_idxs = attn.decode_window_idxs(state, x.size(0), device)
+        topk_idxs = blocks = None
+        if attn.ratio and not attn.is_index_source:
+            topk_idxs = state.topk_idxs[attn.index_source].to(device)  # (the source may sit on another GPU)
+        if attn.indexer is not None and attn.indexer.uses_candidates:
+            blocks = state.candidate_blocks.to(device)
+        args = (x, pre_mix_in, freqs, group_freqs, pos, window_idxs, image_mask, topk_idxs, blocks)
+        context = (plan, state.cache)
+        if graphs:
+            out = self._segment("whole", device)(*args, key=plan.key, context=context)
+        else:
+            out = self._decode_whole(context, *args)
+        x2, f_pre, topk_idxs, blocks = out
+        attn.decode_commit(plan, state, topk_idxs, blocks)
+        return x2, f_pre
 
 
 @dataclass

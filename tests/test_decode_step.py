@@ -1,11 +1,18 @@
-"""The three-part one-token decode step (`DeepseekV41DecoderLayer.decode_step`) equals `block`.
+"""The one-token decode step (`DeepseekV41DecoderLayer.decode_step`) against `block`'s forward.
 
-On CUDA the head and tail of a decode step are replayed from CUDA graphs; the split itself is
-device-independent, so on the CPU the parts run eagerly and must give `block`'s outputs and leave
-the same cache behind, bit for bit, for every layer kind (window-only, ratio-2 source, ratio-1
-candidate source, ratio-1 reuse) over several steps, in both numerics, with and without left
-padding. The graph replay itself is
-tested in tests/test_gpu.py.
+On CUDA a decode step is replayed from CUDA graphs, whole (fast numerics, no padding) or split in
+three parts (head and tail replayed, the attention's middle eager). Both are device-independent
+functions, so on the CPU they run eagerly here:
+
+- the three-part split gives the forward's outputs and leaves the same cache behind, bit for bit,
+  for every layer kind (window-only, ratio-2 source, ratio-1 candidate source, ratio-1 reuse), in
+  both numerics, with and without left padding;
+- the whole step (fixed shapes: caches written in place at device positions, compressed rows read
+  in a bucketed width) keeps the same top-k sets up to ties of equal scores, and then the same
+  outputs and caches, bit for bit, including the first steps after prompts shorter than a
+  compressor group and a step whose buffers grow past a bucket.
+
+The graph replay itself is tested in tests/test_gpu.py.
 """
 
 from __future__ import annotations
@@ -69,10 +76,27 @@ def _cache_tensors(cache) -> dict:
     return out
 
 
+@pytest.fixture
+def piecewise_only():
+    """Make `decode_step` (and `block`) take the three-part split for every step."""
+    touched = []
+
+    def apply(layers):
+        for layer in layers:
+            layer._whole_decode_step = False
+            touched.append(layer)
+        return layers
+
+    yield apply
+    for layer in touched:
+        layer._whole_decode_step = True
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["one-row", "left-padded"])
 @pytest.mark.parametrize("numerics", ["fast", "exact"])
-def test_decode_step_equals_block(numerics, padded):
+def test_decode_step_equals_block(numerics, padded, piecewise_only):
     text, layers = _layers(numerics)
+    piecewise_only(layers)
     prefill, steps = 13, 6  # odd prefill: the ratio-2 groups complete on alternate steps
     batch = 2 if padded else 1
     pads = torch.tensor([0, 3]) if padded else None  # row 1 starts 3 columns later
@@ -185,3 +209,66 @@ def test_decode_step_and_its_switch_refuse_bad_input():
             layer.decode_cuda_graphs = bad
     layer.decode_cuda_graphs = False
     assert layer.decode_cuda_graphs is False
+
+
+@pytest.mark.parametrize("prefill", [1, 13, 250], ids=["shorter-than-a-group", "odd", "crosses-a-bucket"])
+def test_whole_decode_step_matches_the_piecewise_split(prefill):
+    text, layers = _layers("fast")
+    steps = 10
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, prefill + steps, text.hc_mult, text.hidden_size, generator=gen).to(torch.bfloat16)
+    pre = torch.softmax(torch.randn(1, prefill + steps, text.hc_mult, generator=gen), -1)
+    keys = {layer.layer_idx: [] for layer in layers}
+    whole_steps = tie_steps = 0
+    with torch.no_grad():
+        state = DeepseekV41AttentionState(start_pos=0)
+        for layer in layers:
+            layer.block(x[:, :prefill], pre[:, :prefill], state)
+        whole_cache = copy.deepcopy(state.cache)
+        for t in range(prefill, prefill + steps):
+            split = DeepseekV41AttentionState(start_pos=t, cache=state.cache, record_index_scores=True)
+            whole = DeepseekV41AttentionState(start_pos=t, cache=whole_cache)
+            h, m = x[:, t : t + 1], pre[:, t : t + 1]
+            for layer in layers:
+                plan = layer.attn.decode_plan(whole, 1)
+                if plan is not None:
+                    keys[layer.layer_idx].append(plan.key)
+                    whole_steps += 1
+                layer._whole_decode_step = False
+                try:
+                    h_split, m_split = layer.block(h, m, split)
+                finally:
+                    layer._whole_decode_step = True
+                h_whole, m_whole = layer.decode_step(h, m, whole)
+                same_sets = True
+                if layer.attn.is_index_source and layer.attn.ratio:
+                    lid = layer.layer_idx
+                    scores = split.index_scores[lid][0, 0].float()
+                    got = whole.topk_idxs[lid][0, 0]
+                    want = split.topk_idxs[lid][0, 0]
+                    got, want = got[got >= 0] - layer.attn.window, want[want >= 0] - layer.attn.window
+                    # the kept scores agree; the picks may differ only among equal scores
+                    assert torch.equal(scores[got].sort().values, scores[want].sort().values), (t, lid)
+                    same_sets = torch.equal(got.sort().values, want.sort().values)
+                    if not same_sets:
+                        tie_steps += 1
+                        whole.topk_idxs[lid] = split.topk_idxs[lid]  # go on from the same picks
+                if same_sets and all(
+                    torch.equal(whole.topk_idxs[k].sort(-1).values[..., -split.topk_idxs[k].size(-1):], split.topk_idxs[k].sort(-1).values)
+                    for k in split.topk_idxs
+                ):
+                    assert torch.equal(h_whole, h_split), (t, layer.layer_idx)
+                    assert torch.equal(m_whole, m_split), (t, layer.layer_idx)
+                h, m = h_split, m_split
+    assert whole_steps >= (steps - 2) * len(layers)
+    assert tie_steps <= steps
+    a, b = _cache_tensors(state.cache), _cache_tensors(whole_cache)
+    assert a.keys() == b.keys() and len(a) >= 6
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # a graph per cache layout: after the first whole step a layer's key changes only with its
+    # buffers (a bucket crossed) or, for a ratio-2 source, with the steps that end a group
+    for layer in layers:
+        distinct = len(set(keys[layer.layer_idx][1:]))
+        allowed = 2 if layer.attn.ratio == 2 else 1
+        assert distinct <= allowed + (prefill == 250) * allowed, (layer.layer_idx, distinct)
