@@ -437,6 +437,14 @@ def decode_window_idxs(window: int, batch: int, start_pos: int, pad_offsets: tor
     return torch.where(held < pads, -1, idxs).int()
 
 
+def decode_window_idxs_at(window: int, batch: int, pos: torch.Tensor) -> torch.Tensor:
+    """:func:`decode_window_idxs` without padding, from the step's position as a device tensor
+    (int64 ``[1]``): the same int32 ``[B, 1, window]``, built without the host (graph-safe)."""
+    slots = (pos % window + 1 + torch.arange(window, device=pos.device)) % window  # oldest first
+    slots = torch.where(slots > pos, -1, slots).int()
+    return slots.view(1, 1, window).expand(batch, 1, window).contiguous()
+
+
 def left_padding_offsets(attention_mask: torch.Tensor | None, past_length: int, seqlen: int) -> torch.Tensor | None:
     """Pad tokens before each row's first real token, from a transformers attention mask.
 
@@ -1470,9 +1478,7 @@ class DeepseekV41Attention(nn.Module):
         cache: DeepseekV41AttentionCache,
         x: torch.Tensor,
         freqs: torch.Tensor,
-        group_freqs: torch.Tensor | None,
         pos: torch.Tensor,
-        window_idxs: torch.Tensor,
         topk_idxs: torch.Tensor | None = None,
         candidate_blocks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -1487,10 +1493,10 @@ class DeepseekV41Attention(nn.Module):
             plan: from :meth:`decode_plan` for this step (its host bookkeeping is
                 :meth:`decode_commit`, after this).
             cache: the attention cache the plan was made on.
-            x: bf16 ``[B, 1, dim]`` (attn_norm output); freqs: the step's RoPE table;
-            group_freqs: the table of the group's first position (a ratio > 1 source's step
-                that ends a group), else None.
-            pos: int64 ``[1]``, the step's position; window_idxs: :meth:`decode_window_idxs`.
+            x: bf16 ``[B, 1, dim]`` (attn_norm output); freqs: the step's RoPE table
+                (``self.rotary(pos)``).
+            pos: int64 ``[1]``, the step's position (the window's index list and a group's RoPE
+                table are built from it on the device).
             topk_idxs: layers that are not index sources: the index source's indices this step.
             candidate_blocks: candidate users: the candidate source's kept blocks this step.
 
@@ -1503,6 +1509,7 @@ class DeepseekV41Attention(nn.Module):
         pre = DecodeProjections(*extras)
         own = cache.layer(self.layer_id)
         own.window_kv.index_copy_(1, pos % self.window, kv_row)
+        window_idxs = decode_window_idxs_at(self.window, x.size(0), pos)
         if not self.ratio:
             return self._sparse(q, own.window_kv, window_idxs), None, None
         if self.is_kv_source:
@@ -1512,6 +1519,7 @@ class DeepseekV41Attention(nn.Module):
                 own.compressor_kv.index_copy_(1, slot, pre.compressor_kv)
                 own.compressor_score.index_copy_(1, slot, pre.compressor_score)
                 if plan.writes:
+                    group_freqs = self.rotary(pos + 1 - self.ratio)  # the group's first position
                     latent = self.compressor.pool_parked(own, x.dtype)
                     latent_kv = fake_quant_fp4(apply_rotary(latent, group_freqs), *COMPRESSED_KV_FP4)
                     if self.indexer is not None and self.indexer.owns_k:

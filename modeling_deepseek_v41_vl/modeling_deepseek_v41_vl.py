@@ -294,11 +294,12 @@ class DeepseekV41DecoderLayer(nn.Module):
     def _decode_tail(self, o, freqs, x, attn_pre, attn_post, attn_comb, image_mask):
         return self._ffn_half(self.attn.output(o, freqs), x, attn_pre, attn_post, attn_comb, image_mask)
 
-    def _decode_whole(self, context, x, pre_mix_in, freqs, group_freqs, pos, window_idxs, image_mask, topk_idxs, blocks):
+    def _decode_whole(self, context, x, pre_mix_in, pos, image_mask, topk_idxs, blocks):
         plan, cache = context
+        freqs = self.attn.rotary(pos)  # in the graph: the host hands over the position only
         attn_pre, attn_post, attn_comb = self.hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         xa = self.attn_norm(self.hc.pre(x, pre_mix_in))
-        o, topk_idxs, blocks = self.attn.decode_static(plan, cache, xa, freqs, group_freqs, pos, window_idxs, topk_idxs, blocks)
+        o, topk_idxs, blocks = self.attn.decode_static(plan, cache, xa, freqs, pos, topk_idxs, blocks)
         x2, f_pre = self._ffn_half(self.attn.output(o, freqs), x, attn_pre, attn_post, attn_comb, image_mask)
         return x2, f_pre, topk_idxs, blocks
 
@@ -379,10 +380,10 @@ class DeepseekV41DecoderLayer(nn.Module):
             raise DeepseekV41ModelError("decode_step follows a prefill: attention_state.start_pos is 0")
         if graphs and not x.is_cuda:
             raise DeepseekV41ModelError(f"decode_step(graphs=True) needs CUDA tensors, got {x.device}")
-        freqs = self.attn.decode_freqs(attention_state, x.device)
         plan = self.attn.decode_plan(attention_state, x.size(0)) if self._whole_decode_step else None
         if plan is not None and (not graphs or self.attn.sparse_attention_graph_safe(x.device)):
-            return self._decode_step_whole(plan, x, pre_mix_in, freqs, attention_state, image_mask, graphs)
+            return self._decode_step_whole(plan, x, pre_mix_in, attention_state, image_mask, graphs)
+        freqs = self.attn.decode_freqs(attention_state, x.device)
         head, tail = self._decode_head, self._decode_tail
         if graphs:
             head, tail = self._segment("head", x.device), self._segment("tail", x.device)
@@ -392,19 +393,17 @@ class DeepseekV41DecoderLayer(nn.Module):
         o = self.attn.decode_attend(xa, *projections[:3], freqs, attention_state, *projections[3:])
         return tail(o, head_freqs, x, attn_pre, attn_post, attn_comb, image_mask)
 
-    def _decode_step_whole(self, plan, x, pre_mix_in, freqs, state: DeepseekV41AttentionState, image_mask, graphs: bool):
+    def _decode_step_whole(self, plan, x, pre_mix_in, state: DeepseekV41AttentionState, image_mask, graphs: bool):
         attn, device = self.attn, x.device
-        group_freqs = attn._group_freqs(state, device) if plan.writes and attn.ratio > 1 else None
         pos = state.step_table(
             ("decode_pos", device), lambda: torch.full((1,), state.start_pos, dtype=torch.int64, device=device)
         )
-        window_idxs = attn.decode_window_idxs(state, x.size(0), device)
         topk_idxs = blocks = None
         if attn.ratio and not attn.is_index_source:
             topk_idxs = state.topk_idxs[attn.index_source].to(device)  # (the source may sit on another GPU)
         if attn.indexer is not None and attn.indexer.uses_candidates:
             blocks = state.candidate_blocks.to(device)
-        args = (x, pre_mix_in, freqs, group_freqs, pos, window_idxs, image_mask, topk_idxs, blocks)
+        args = (x, pre_mix_in, pos, image_mask, topk_idxs, blocks)
         context = (plan, state.cache)
         if graphs:
             out = self._segment("whole", device)(*args, key=plan.key, context=context)

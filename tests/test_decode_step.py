@@ -272,3 +272,15 @@ def test_whole_decode_step_matches_the_piecewise_split(prefill):
         distinct = len(set(keys[layer.layer_idx][1:]))
         allowed = 2 if layer.attn.ratio == 2 else 1
         assert distinct <= allowed + (prefill == 250) * allowed, (layer.layer_idx, distinct)
+
+
+@pytest.mark.parametrize("window", [1, 8, 128])
+def test_window_index_list_from_a_device_position_equals_the_host_one(window):
+    from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import decode_window_idxs, decode_window_idxs_at
+
+    for start_pos in (1, 2, window - 1, window, window + 1, 3 * window + 5, 4097):
+        if start_pos < 1:
+            continue
+        want = decode_window_idxs(window, 2, start_pos)
+        got = decode_window_idxs_at(window, 2, torch.tensor([start_pos]))
+        assert got.dtype == want.dtype and torch.equal(got, want), (window, start_pos)
