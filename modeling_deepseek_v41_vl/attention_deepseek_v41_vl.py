@@ -183,6 +183,10 @@ class _RowBuffer:
     def address(self) -> int:
         return self._data.data_ptr()
 
+    @property
+    def device(self) -> torch.device:
+        return self._data.device
+
 
 @dataclass
 class DeepseekV41LayerAttentionCache:
@@ -1409,8 +1413,8 @@ class DeepseekV41Attention(nn.Module):
     def decode_plan(self, state: DeepseekV41AttentionState, batch: int) -> DecodePlan | None:
         """The host-side layout of this layer's step in :meth:`decode_static`, or None when the
         step must take :meth:`decode_attend` (exact numerics, left padding, recorded index scores,
-        or a cache that does not hold what the step reads yet: the first steps after a prompt
-        shorter than a compressor group). Makes room in the buffers the step writes or reads (a
+        a cache that does not hold what the step reads yet: the first steps after a prompt
+        shorter than a compressor group, or compressed rows / index keys on another GPU). Makes room in the buffers the step writes or reads (a
         buffer that grows moves: its address is part of the plan's key).
         """
         if self.numerics != "fast" or state.pad_offsets is not None or state.record_index_scores:
@@ -1445,6 +1449,8 @@ class DeepseekV41Attention(nn.Module):
         source = cache.layer(self.kv_source).compressed_kv
         if source is None or (source.length + (writes and self.kv_source == self.layer_id)) < visible:
             return None
+        if source.device != own.window_kv.device:
+            return None  # a source on another GPU (a device_map split): read by the piecewise step
         source.reserve(width)
         key.append(source.address)
         publisher = None
@@ -1454,6 +1460,8 @@ class DeepseekV41Attention(nn.Module):
                 return None
             keys = cache.layer(publisher).index_k
             if keys is None or keys.length + (publisher == self.layer_id and writes) < visible:
+                return None
+            if keys.device != own.window_kv.device:
                 return None
             keys.reserve(width)
             key += [publisher, keys.address]
