@@ -1414,8 +1414,9 @@ class DeepseekV41Attention(nn.Module):
         """The host-side layout of this layer's step in :meth:`decode_static`, or None when the
         step must take :meth:`decode_attend` (exact numerics, left padding, recorded index scores,
         a cache that does not hold what the step reads yet: the first steps after a prompt
-        shorter than a compressor group, or compressed rows / index keys on another GPU). Makes room in the buffers the step writes or reads (a
-        buffer that grows moves: its address is part of the plan's key).
+        shorter than a compressor group, or compressed rows / index keys on another GPU). Makes
+        room in the buffers the step writes or reads (a buffer that grows moves: its address is
+        part of the plan's key).
         """
         if self.numerics != "fast" or state.pad_offsets is not None or state.record_index_scores:
             return None
@@ -1429,9 +1430,9 @@ class DeepseekV41Attention(nn.Module):
         visible = (state.start_pos + 1) // self.ratio
         if visible == 0:
             return None
-        width = decode_rows(visible)
         writes = False
         owns_k = self.indexer is not None and self.indexer.owns_k
+        grown = []  # buffers the step writes or reads, with the rows they hold after its writes
         if self.is_kv_source:
             writes = self.ratio == 1 or self.compressor.ends_group(state.start_pos)
             if own.compressed_kv is None or own.compressed_kv.length != visible - writes:
@@ -1442,34 +1443,49 @@ class DeepseekV41Attention(nn.Module):
                 if own.compressor_kv is None:
                     return None
                 key += [own.compressor_kv.data_ptr(), own.compressor_score.data_ptr()]
-            own.compressed_kv.reserve(width)
             if owns_k:
-                own.index_k.reserve(width)
-                key.append(own.index_k.address)
+                grown.append((own.index_k, visible))
         source = cache.layer(self.kv_source).compressed_kv
-        if source is None or (source.length + (writes and self.kv_source == self.layer_id)) < visible:
+        if source is None:
             return None
-        if source.device != own.window_kv.device:
-            return None  # a source on another GPU (a device_map split): read by the piecewise step
-        source.reserve(width)
-        key.append(source.address)
+        grown.append((source, source.length + (writes and self.kv_source == self.layer_id)))
         publisher = None
         if self.is_index_source:
             publisher = self.layer_id if owns_k and writes else cache.index_k_publisher
             if publisher is None or cache.index_k_publisher_rows is not None:
                 return None
             keys = cache.layer(publisher).index_k
-            if keys is None or keys.length + (publisher == self.layer_id and writes) < visible:
+            if keys is None:
                 return None
-            if keys.device != own.window_kv.device:
-                return None
-            keys.reserve(width)
-            key += [publisher, keys.address]
+            grown.append((keys, keys.length + (publisher == self.layer_id and writes)))
             if self.indexer.uses_candidates and state.candidate_blocks is None:
                 return None
         elif self.index_source not in state.topk_idxs:
             return None
-        return DecodePlan(visible, width, writes, publisher, (*key, width, writes))
+        device = own.window_kv.device
+        if any(rows < visible or buffer.device != device for buffer, rows in grown):
+            return None  # too few rows yet, or a source on another GPU (a device_map split)
+        width = decode_rows(visible)
+        for buffer, _ in grown:
+            buffer.reserve(width)
+        key += [buffer.address for buffer, _ in grown]
+        return DecodePlan(visible, width, writes, publisher, (*key, publisher, width, writes))
+
+    def reads_other_devices(self, state: DeepseekV41AttentionState, device: torch.device) -> bool:
+        """Whether a step of this layer on `device` reads what earlier layers left on another
+        device (compressed rows, index keys, top-k indices, candidate blocks: a device_map that
+        splits the layers over GPUs)."""
+        if not self.ratio:
+            return False
+        cache = state.cache
+        found = [cache.layer(self.kv_source).compressed_kv]
+        if self.is_index_source:
+            found += [layer.index_k for layer in cache.layers.values()]
+        else:
+            found.append(state.topk_idxs.get(self.index_source))
+        if self.indexer is not None and self.indexer.uses_candidates:
+            found.append(state.candidate_blocks)
+        return any(t is not None and t.device != device for t in found)
 
     def decode_window_idxs(self, state: DeepseekV41AttentionState, batch: int, device: torch.device) -> torch.Tensor:
         """Ring slots a one-token step at `state.start_pos` attends to, int32 ``[B, 1, window]``
