@@ -1471,22 +1471,6 @@ class DeepseekV41Attention(nn.Module):
         key += [buffer.address for buffer, _ in grown]
         return DecodePlan(visible, width, writes, publisher, (*key, publisher, width, writes))
 
-    def reads_other_devices(self, state: DeepseekV41AttentionState, device: torch.device) -> bool:
-        """Whether a step of this layer on `device` reads what earlier layers left on another
-        device (compressed rows, index keys, top-k indices, candidate blocks: a device_map that
-        splits the layers over GPUs)."""
-        if not self.ratio:
-            return False
-        cache = state.cache
-        found = [cache.layer(self.kv_source).compressed_kv]
-        if self.is_index_source:
-            found += [layer.index_k for layer in cache.layers.values()]
-        else:
-            found.append(state.topk_idxs.get(self.index_source))
-        if self.indexer is not None and self.indexer.uses_candidates:
-            found.append(state.candidate_blocks)
-        return any(t is not None and t.device != device for t in found)
-
     def decode_window_idxs(self, state: DeepseekV41AttentionState, batch: int, device: torch.device) -> torch.Tensor:
         """Ring slots a one-token step at `state.start_pos` attends to, int32 ``[B, 1, window]``
         (built once per step for all layers)."""

@@ -93,7 +93,10 @@ class GraphedSegment:
             fn(*inputs)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # the capture stream must be on this device: torch.cuda.graph's default one is created
+        # once, on whichever device was current then, and capturing on it switches to that device
+        # (kernels of a layer on GPU 1 would be captured on GPU 0)
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             outputs = fn(*inputs)
         return graph, inputs, outputs
 

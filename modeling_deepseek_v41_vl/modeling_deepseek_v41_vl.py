@@ -329,8 +329,6 @@ class DeepseekV41DecoderLayer(nn.Module):
             return False
         if not self.ffn.runs_without_host_sync(x.size(0), x.device):
             return False  # e.g. a batch past the expert kernels' size: the MoE reads counts on the host
-        if self.attn.reads_other_devices(state, x.device):
-            return False  # layers split over GPUs: this one's steps copy from another GPU, eagerly
         # accelerate's offloading hooks swap the weights in and out around each forward: a graph
         # would keep reading the addresses of the first load
         hook = getattr(self, "_hf_hook", None)
