@@ -48,6 +48,15 @@ instead of a ``[B, S, T]`` mask. What stays per forward is O(S x (window + index
 plus one chunk's intermediates. The attention itself runs through
 `triton_ops/sparse_attention.py` (the Triton kernel on CUDA, its torch fallback elsewhere; exact
 numerics always take the fallback with the reference's op shapes).
+
+One-token decode steps in fast numerics without padding have a second, graph-safe form
+(:meth:`DeepseekV41Attention.decode_plan` / :meth:`~DeepseekV41Attention.decode_static` /
+:meth:`~DeepseekV41Attention.decode_commit`): the host plans the step (which buffers, how wide),
+and the step itself has no shape or branch that depends on the sequence length: caches are written
+in place with ``index_copy_`` at the device position, the compressed rows and index keys are read
+in a power-of-two width with the rows past the ones in use masked, and the top-k keeps the same
+set as :meth:`forward` (listed in another order), so a CUDA graph of it stays valid from step to
+step (see `cuda_graphs_deepseek_v41_vl.py`).
 """
 
 from __future__ import annotations

@@ -71,6 +71,7 @@ class GraphedSegment:
         self.max_graphs = max_graphs
         self._graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, list, object]] = OrderedDict()
         self._owner: object = None
+        self.captures = 0  # graphs captured so far (kept or dropped)
 
     @staticmethod
     def _signature(args) -> tuple:
@@ -131,6 +132,7 @@ class GraphedSegment:
             while len(self._graphs) >= self.max_graphs:
                 self._graphs.popitem(last=False)
             entry = self._graphs[key] = self._capture(args, context)
+            self.captures += 1
         else:
             self._graphs.move_to_end(key)
         graph, inputs, outputs = entry

@@ -461,6 +461,39 @@ def test_engram_tables_resident_on_cpu_give_the_all_gpu_logits_and_tokens(golden
     assert tokens.tolist() == reference["tokens"]
 
 
+def test_beam_search_replays_the_decode_graphs_and_equals_eager_steps(golden, converted_tiny_fp8):
+    """Beam search reorders the cache rows at every step; the reorder keeps the buffers' storage,
+    so the whole-step graphs are replayed, not captured again per step, and the beams equal those
+    of the same search with graphs off. Then a second `generate` (the VL prompt, batch 1) gives
+    the tokens of its eager run too (graphs of the first call's layouts left behind)."""
+    model = hf_all_gpu_run(golden, converted_tiny_fp8)["model"]
+    inputs, _ = hf_vl_inputs(golden, converted_tiny_fp8)
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(converted_tiny_fp8)
+    text = processor(text="A short prompt, then a longer one about cats and dogs. " * 3, return_tensors="pt").to(CUDA)
+    layers = model.model.layers
+    results = {}
+    try:
+        for graphs in (False, True):
+            for layer in layers:
+                layer.decode_cuda_graphs = graphs
+                layer._decode_segments = None
+            with torch.no_grad():
+                beams = model.generate(**text, do_sample=False, num_beams=3, num_return_sequences=3, max_new_tokens=10)
+                captures = [layer._decode_segments["whole"].captures if graphs else 0 for layer in layers]
+                short = model.generate(**inputs, do_sample=False, max_new_tokens=12)
+            results[graphs] = (beams.tolist(), short.tolist(), captures)
+    finally:
+        for layer in layers:
+            layer.decode_cuda_graphs = True
+    _METRICS["beam_search_graphs"] = {"captures_per_layer": results[True][2]}
+    assert results[True][0] == results[False][0]
+    assert results[True][1] == results[False][1]
+    # 9 decode steps: one capture per layout (twice on ratio-2 sources), not one per step
+    assert max(results[True][2]) <= 3, results[True][2]
+
+
 def test_hf_wrapper_on_gpu_matches_the_golden_run(golden, converted_tiny_fp8):
     """`AutoModelForImageTextToText` + processor on CUDA (numerics fast) against the golden VL run,
     within this file's bounds: prefill logits rel L2 < 0.1 and argmax equal on >= 90% of positions;
