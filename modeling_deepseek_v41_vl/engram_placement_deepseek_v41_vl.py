@@ -293,17 +293,21 @@ def engram_offload_device_map(
         whose layer lands on a GPU (a table whose layer is offloaded follows it, with a warning).
 
     Raises:
-        DeepseekV41EngramPlacementError: an unknown `strategy`.
+        DeepseekV41EngramPlacementError: an unknown `strategy`; `max_memory` not a dict of sizes
+            (non-negative byte counts or "80GiB"-style strings); a "cpu" budget smaller than the
+            tables, which must stay resident there.
     """
     from transformers.integrations.accelerate import get_balanced_memory, get_max_memory, infer_auto_device_map
 
     if strategy not in INFERRED_DEVICE_MAPS:
         raise DeepseekV41EngramPlacementError(f"strategy must be one of {INFERRED_DEVICE_MAPS}, got {strategy!r}")
+    max_memory = _byte_sizes(max_memory)
     model = model_or_config if isinstance(model_or_config, nn.Module) else empty_model(model_or_config, model_class)
     no_split = list(no_split_module_classes if no_split_module_classes is not None else model._no_split_modules)
     names = engram_table_names(model)
     modules = dict(model.named_modules())
     tables = [modules[name] for name in names]
+    need = _table_bytes(tables)  # (before hiding them: hidden, they have no parameters)
     with hidden_parameters(tables):
         if strategy == "sequential":
             budget = get_max_memory(max_memory)
@@ -312,7 +316,12 @@ def engram_offload_device_map(
                 model, max_memory=max_memory, no_split_module_classes=no_split, low_zero=strategy == "balanced_low_0"
             )
         if "cpu" in budget:
-            budget["cpu"] = max(0, budget["cpu"] - _table_bytes(tables))
+            if budget["cpu"] < need:
+                raise DeepseekV41EngramPlacementError(
+                    f"the Engram tables need {need / 2**30:.2f} GiB of host memory, the 'cpu' budget is "
+                    f"{budget['cpu'] / 2**30:.2f} GiB (max_memory or what is free)"
+                )
+            budget["cpu"] -= need
         device_map = dict(infer_auto_device_map(model, max_memory=budget, no_split_module_classes=no_split))
     placed = dict(device_map, **dict.fromkeys(names, "cpu"))
     resident, stranded = resident_engram_tables(names, placed)
@@ -320,6 +329,31 @@ def engram_offload_device_map(
         logger.warning("%s follows its decoder layer, which is offloaded (the GPUs have no room for it)", name)
     device_map.update(dict.fromkeys(resident, "cpu"))
     return device_map
+
+
+def _byte_sizes(max_memory) -> dict | None:
+    """`max_memory` with every size in bytes (a copy: accelerate rewrites the dict it is given)."""
+    from accelerate.utils import convert_file_size_to_int
+
+    if max_memory is None:
+        return None
+    if not isinstance(max_memory, Mapping):
+        raise DeepseekV41EngramPlacementError(
+            f"max_memory must be a dict of device -> size (bytes or e.g. '80GiB'), got {type(max_memory).__name__}"
+        )
+    sizes = {}
+    for device, size in max_memory.items():
+        if isinstance(size, str):
+            try:
+                size = convert_file_size_to_int(size)
+            except ValueError:
+                raise DeepseekV41EngramPlacementError(
+                    f"max_memory[{device!r}] = {size!r} is not a size (bytes, or a string like '80GiB')"
+                ) from None
+        if isinstance(size, bool) or not isinstance(size, (int, float)) or size < 0:
+            raise DeepseekV41EngramPlacementError(f"max_memory[{device!r}] must be a non-negative size, got {size!r}")
+        sizes[device] = int(size)
+    return sizes
 
 
 def _is_device(value) -> bool:

@@ -186,6 +186,32 @@ def test_offload_map_lets_a_table_follow_a_layer_that_is_offloaded(golden, caplo
         engram_offload_device_map(config, strategy="fastest")
 
 
+@pytest.mark.parametrize(
+    "max_memory, message",
+    [
+        ([("cpu", 10)], "must be a dict"),
+        ({0: "lots"}, "is not a size"),
+        ({0: -1}, "non-negative size"),
+        ({0: None}, "non-negative size"),
+        ({0: True}, "non-negative size"),
+        ({0: "1GiB", "cpu": 1000}, "Engram tables need"),
+    ],
+)
+def test_offload_map_refuses_bad_memory_budgets(golden, max_memory, message):
+    config = DeepseekV41Config.from_reference_args(golden / "model_tiny_fp8" / "config.json")
+    given = dict(max_memory) if isinstance(max_memory, dict) else max_memory
+    with pytest.raises(DeepseekV41EngramPlacementError, match=message):
+        engram_offload_device_map(config, max_memory=max_memory, strategy="sequential")
+    assert max_memory == given  # the caller's dict is not rewritten
+
+
+def test_offload_map_takes_size_strings(golden):
+    config = DeepseekV41Config.from_reference_args(golden / "model_tiny_fp8" / "config.json")
+    as_bytes = engram_offload_device_map(config, max_memory={0: 2**30, "cpu": 2**30}, strategy="sequential")
+    as_text = engram_offload_device_map(config, max_memory={0: "1GiB", "cpu": "1GiB"}, strategy="sequential")
+    assert as_text == as_bytes and {as_text[t] for t in TABLES} == {"cpu"}
+
+
 # --------------------------------------------------------------------------------------------
 # The lookup and a real load on the CPU
 # --------------------------------------------------------------------------------------------
