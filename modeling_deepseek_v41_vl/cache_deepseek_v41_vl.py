@@ -33,7 +33,8 @@ def _select_rows(tensor, index: torch.Tensor):
     if tensor is None:
         return None
     rows = tensor.index_select(0, index.to(tensor.device))
-    if rows.shape == tensor.shape and tensor.is_contiguous():
+    writable = not tensor.is_inference() or torch.is_inference_mode_enabled()
+    if rows.shape == tensor.shape and tensor.is_contiguous() and writable:
         # same batch size (beam search reorders every step): keep the storage, so that decode
         # steps captured in CUDA graphs (which address the cache buffers) are replayed, not
         # captured again
@@ -146,6 +147,20 @@ class DeepseekV41Cache(Cache):
         self.attention.seen_tokens = 0
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep (and reorder) the batch rows `indices` (int ``[n]``) of every layer's state.
+
+        Raises:
+            DeepseekV41CacheError: indices that are not integers in ``[0, batch)``.
+        """
+        batch = self.engram_history.size(0) if self.engram_history is not None else None
+        for layer in self.layers:
+            if layer.state.window_kv is not None:
+                batch = layer.state.window_kv.size(0)
+                break
+        if indices.dtype.is_floating_point or indices.dtype == torch.bool or indices.dim() != 1:
+            raise DeepseekV41CacheError(f"batch indices must be a 1-D integer tensor, got {indices.dtype} {tuple(indices.shape)}")
+        if batch is not None and indices.numel() and bool(((indices < 0) | (indices >= batch)).any()):
+            raise DeepseekV41CacheError(f"batch indices must lie in [0, {batch}), got {indices.tolist()}")
         super().batch_select_indices(indices)
         self.engram_history = _select_rows(self.engram_history, indices)
         # per batch row attention state (left padding)

@@ -37,6 +37,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.generation.logits_process import SuppressTokensLogitsProcessor
@@ -48,6 +49,7 @@ from ..conversion.load_time import convert_state_dict
 from .attention_deepseek_v41_vl import (
     DeepseekV41Attention,
     DeepseekV41AttentionCache,
+    DeepseekV41AttentionError,
     DeepseekV41AttentionState,
     DeepseekV41RMSNorm,
     left_padding_offsets,
@@ -143,6 +145,31 @@ class DeepseekV41Head(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[..., D]`` (bf16) -> fp32 logits ``[..., V]``."""
         return F.linear(hidden_states.float(), self.weight)
+
+
+def _check_same_padding(recorded: torch.Tensor | None, pads: torch.Tensor | None, start_pos: int, batch: int) -> None:
+    """A forward after position 0: its attention mask must pad the cached positions as the cache
+    records (left padding per row; a row still padded throughout may stay so).
+
+    Raises:
+        DeepseekV41AttentionError: a row whose padding differs.
+    """
+    if recorded is None and pads is None:
+        return
+    device = (pads if pads is not None else recorded).device
+    zeros = torch.zeros(batch, dtype=torch.int64, device=device)
+    old = zeros if recorded is None else recorded.to(device=device, dtype=torch.int64)
+    new = zeros if pads is None else pads.to(torch.int64)
+    if old.shape != new.shape:
+        raise DeepseekV41AttentionError(f"attention_mask has {new.numel()} rows, the cache {old.numel()}")
+    started = old < start_pos  # rows with a real token in the cache
+    bad = torch.where(started, new != old, new < start_pos)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise DeepseekV41AttentionError(
+            f"attention_mask row {row} pads {int(new[row])} leading positions; the cache holds that row with "
+            f"{int(old[row])} (padding is fixed at the prefill: pass the mask of every position so far)"
+        )
 
 
 _GRAPH_POOLS: dict = {}
@@ -267,11 +294,13 @@ class DeepseekV41DecoderLayer(nn.Module):
         attention `pre`, computed from the block input before attention; the FFN's own `pre` is
         returned for the next block.
         """
-        if self._decode_graphs_apply(x, attention_state):
-            return self.decode_step(x, pre_mix_in, attention_state, image_mask, graphs=True)
-        if self._whole_decode_step and x.size(1) == 1 and attention_state.start_pos > 0 and self.attn.numerics == "fast":
-            # the same computation a graph replays (eager graphs off, or on the CPU)
-            return self.decode_step(x, pre_mix_in, attention_state, image_mask)
+        one_step = x.size(1) == 1 and attention_state.start_pos > 0 and self.attn.numerics == "fast"
+        if one_step and not self._submodules_hooked():
+            if self._decode_graphs_apply(x, attention_state):
+                return self.decode_step(x, pre_mix_in, attention_state, image_mask, graphs=True)
+            if self._whole_decode_step:
+                # the same computation a graph replays (graphs off, or on the CPU)
+                return self.decode_step(x, pre_mix_in, attention_state, image_mask)
         hc = self.hc
         attn_pre, attn_post, attn_comb = hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         f = self.attn(self.attn_norm(hc.pre(x, pre_mix_in)), attention_state)
@@ -319,6 +348,17 @@ class DeepseekV41DecoderLayer(nn.Module):
                 ),
             }[name]()
         return self._decode_segments[name]
+
+    def _submodules_hooked(self) -> bool:
+        """Whether forward hooks watch a submodule (`capture_intermediates`, a user's hook). Then
+        decode steps take the plain forward, which calls every submodule as a module: a graph
+        replay, or the step's own function, would skip them."""
+        modules = self.__dict__.get("_hook_watch")
+        if modules is None:
+            modules = self.__dict__["_hook_watch"] = list(self.modules())[1:]
+        if _global_forward_hooks or _global_forward_pre_hooks:
+            return True
+        return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
     def _decode_graphs_apply(self, x, state: DeepseekV41AttentionState) -> bool:
         if not (self.decode_cuda_graphs and x.is_cuda and x.size(1) == 1 and state.start_pos > 0):
@@ -574,14 +614,25 @@ class DeepseekV41Transformer(nn.Module):
             :class:`DeepseekV41TransformerOutput`.
 
         Raises:
-            DeepseekV41ModelError: images after position 0 or without span marks, spans that do
+            DeepseekV41ModelError: `input_ids` that are not integer ids in ``[0, vocab_size)`` or
+                hold no token; images after position 0 or without span marks, spans that do
                 not fit the images or hold other ids than `image_token_id`, `image_span_embeds`
                 rows that do not match the marked positions.
             DeepseekV41AttentionError: a forward after position 0 on a cache without a prefill,
-                an attention mask that is not a left padding of every position so far.
+                an attention mask that is not a left padding of every position so far, or one
+                whose padding of the positions already cached differs from the cache's.
         """
         if input_ids.dim() != 2:
             raise DeepseekV41ModelError(f"input_ids must be [batch, seq], got {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise DeepseekV41ModelError(f"input_ids must be integer token ids, got {input_ids.dtype}")
+        if input_ids.numel() == 0:
+            raise DeepseekV41ModelError(f"input_ids holds no token: shape {tuple(input_ids.shape)}")
+        vocab = self.text_config.vocab_size
+        if bool(((input_ids < 0) | (input_ids >= vocab)).any()):
+            raise DeepseekV41ModelError(
+                f"input_ids must lie in [0, {vocab}) (vocab_size); got values from {int(input_ids.min())} to {int(input_ids.max())}"
+            )
         start_pos = cache.get_seq_length() if cache is not None else 0
 
         if pixel_values is not None and start_pos != 0:
@@ -623,7 +674,10 @@ class DeepseekV41Transformer(nn.Module):
         if image_span_embeds is not None and image_mask is None:
             raise DeepseekV41ModelError("image_span_embeds were given without mm_token_type_ids marking their positions")
         if cache is not None and (attention_mask is not None or start_pos == 0):
-            cache.attention.pad_offsets = left_padding_offsets(attention_mask, start_pos, input_ids.size(1))
+            pads = left_padding_offsets(attention_mask, start_pos, input_ids.size(1))
+            if start_pos > 0:
+                _check_same_padding(cache.attention.pad_offsets, pads, start_pos, input_ids.size(0))
+            cache.attention.pad_offsets = pads
         pad_offsets = (
             cache.attention.pad_offsets
             if cache is not None
