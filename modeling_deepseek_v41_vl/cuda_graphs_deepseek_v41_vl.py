@@ -30,6 +30,22 @@ from typing import Callable
 import torch
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One capture stream per device, reused by every capture on it. It must be on the device of
+    the captured work: torch.cuda.graph's default capture stream is created once, on whichever
+    device was current then, and capturing on it switches to that device (the kernels of a layer
+    on GPU 1 would be captured on GPU 0)."""
+    index = torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _CAPTURE_STREAMS[index]
+
+
 class GraphedSegment:
     """Replay `fn` from CUDA graphs captured per input signature.
 
@@ -94,10 +110,7 @@ class GraphedSegment:
             fn(*inputs)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # the capture stream must be on this device: torch.cuda.graph's default one is created
-        # once, on whichever device was current then, and capturing on it switches to that device
-        # (kernels of a layer on GPU 1 would be captured on GPU 0)
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+        with torch.cuda.graph(graph, pool=self.pool, stream=_capture_stream(stream.device)):
             outputs = fn(*inputs)
         return graph, inputs, outputs
 

@@ -173,6 +173,18 @@ def _check_same_padding(recorded: torch.Tensor | None, pads: torch.Tensor | None
 
 
 _GRAPH_POOLS: dict = {}
+_DECODE_POSITIONS: dict = {}
+
+
+def _decode_position(device: torch.device, start_pos: int) -> torch.Tensor:
+    """The position of a one-token step as int64 ``[1]`` on `device`, in one tensor per device
+    rewritten in place at each step: the decode graphs read it where it is (no copy per layer).
+    Like the shared graph pool, this assumes one decoding stream per device."""
+    device = torch.device(device)
+    pos = _DECODE_POSITIONS.get(device)
+    if pos is None:
+        pos = _DECODE_POSITIONS[device] = torch.zeros(1, dtype=torch.int64, device=device)
+    return pos.fill_(start_pos)
 
 
 def _graph_pool(device: torch.device):
@@ -339,7 +351,10 @@ class DeepseekV41DecoderLayer(nn.Module):
             pool = _graph_pool(device)
             self._decode_segments[name] = {
                 # the step's output rows go to the caller; the hand-downs are read within the step
-                "whole": lambda: GraphedSegment(self._decode_whole, pool, self._graph_owner_key, clone_first=2),
+                # the position tensor is the same storage at every step (`_decode_position`)
+                "whole": lambda: GraphedSegment(
+                    self._decode_whole, pool, self._graph_owner_key, clone_first=2, borrowed=(2,)
+                ),
                 # the head's outputs are consumed within the step; the tail's go to the caller
                 "head": lambda: GraphedSegment(self._decode_head, pool, self._graph_owner_key, clone_outputs=False),
                 # the tail reads the head's x, freqs and mixes in place (no copies)
@@ -435,9 +450,7 @@ class DeepseekV41DecoderLayer(nn.Module):
 
     def _decode_step_whole(self, plan, x, pre_mix_in, state: DeepseekV41AttentionState, image_mask, graphs: bool):
         attn, device = self.attn, x.device
-        pos = state.step_table(
-            ("decode_pos", device), lambda: torch.full((1,), state.start_pos, dtype=torch.int64, device=device)
-        )
+        pos = state.step_table(("decode_pos", device), lambda: _decode_position(device, state.start_pos))
         topk_idxs = blocks = None
         if attn.ratio and not attn.is_index_source:
             topk_idxs = state.topk_idxs[attn.index_source].to(device)  # (the source may sit on another GPU)
