@@ -68,6 +68,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..triton_ops.sparse_attention import SPARSE_ATTN_BLOCK
+from ..triton_ops.rms_norm import MAX_COLS as RMS_NORM_MAX_COLS
+from ..triton_ops.rms_norm import resolve_rms_norm_backend, rms_norm_triton
 from ..triton_ops.sparse_attention import resolve_backend as resolve_sparse_backend
 from ..triton_ops.sparse_attention import sparse_attention as sparse_attention_op
 from .quantization_deepseek_v41_vl import DeepseekV41Linear, fake_quant_fp4, fake_quant_fp8
@@ -103,15 +105,27 @@ class DeepseekV41RMSNorm(nn.Module):
     """y = weight * x / sqrt(mean(x^2) + eps), computed in fp32, cast back to x's dtype.
 
     Mirrors `inference/model.py: RMSNorm`. The weight holds bf16 values (the checkpoint's); it is
-    promoted to fp32 for the product, so holding it in fp32 gives identical results.
+    promoted to fp32 for the product, so holding it in fp32 gives identical results. With
+    ``numerics="fast"``, bf16 rows on CUDA go through one Triton kernel
+    (`triton_ops/rms_norm.py`; the same formula, the mean summed in another order;
+    ``DEEPSEEK_V41_RMSNORM_BACKEND`` overrides the choice).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-20):
+    def __init__(self, dim: int, eps: float = 1e-20, numerics: str = "exact"):
         super().__init__()
         self.eps = eps
+        self.numerics = numerics
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self.numerics == "fast"
+            and x.dtype == torch.bfloat16
+            and self.weight.dtype == torch.bfloat16
+            and x.size(-1) <= RMS_NORM_MAX_COLS
+            and resolve_rms_norm_backend(None, x.device) == "triton"
+        ):
+            return rms_norm_triton(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps)
@@ -692,7 +706,7 @@ class DeepseekV41Compressor(nn.Module):
         self.ratio = config.compress_ratios[layer_id]
         self.numerics = numerics
         head_dim = config.head_dim
-        self.norm = DeepseekV41RMSNorm(head_dim, config.rms_norm_eps)
+        self.norm = DeepseekV41RMSNorm(head_dim, config.rms_norm_eps, numerics)
         if self.ratio == 1:
             self.wkv = DeepseekV41Linear(config.hidden_size, head_dim, "bf16", numerics)
         else:
@@ -925,7 +939,7 @@ class DeepseekV41Indexer(nn.Module):
         self.weights_proj = DeepseekV41Linear(config.hidden_size, self.n_heads, "bf16", numerics)
         if self.owns_k:
             self.wk = DeepseekV41Linear(config.head_dim, self.head_dim, "bf16", numerics)
-            self.k_norm = DeepseekV41RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = DeepseekV41RMSNorm(self.head_dim, config.rms_norm_eps, numerics)
 
     def index_keys_of(self, latent: torch.Tensor, latent_freqs: torch.Tensor) -> torch.Tensor:
         """Index keys of pre-RoPE latents ``[B, n, D]``: fp4(RoPE(k_norm(wk(latent)))) ``[B, n, Id]``."""
@@ -1220,10 +1234,10 @@ class DeepseekV41Attention(nn.Module):
 
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
         self.wq_a = DeepseekV41Linear(config.hidden_size, config.q_lora_rank, weight_dtype, numerics)
-        self.q_norm = DeepseekV41RMSNorm(config.q_lora_rank, eps)
+        self.q_norm = DeepseekV41RMSNorm(config.q_lora_rank, eps, numerics)
         self.wq_b = DeepseekV41Linear(config.q_lora_rank, self.n_heads * self.head_dim, weight_dtype, numerics)
         self.wkv = DeepseekV41Linear(config.hidden_size, self.head_dim, weight_dtype, numerics)
-        self.kv_norm = DeepseekV41RMSNorm(self.head_dim, eps)
+        self.kv_norm = DeepseekV41RMSNorm(self.head_dim, eps, numerics)
         # wo_a is block-diagonal over groups and computed as a bf16 einsum (the converter
         # dequantizes the checkpoint's fp8 wo_a to bf16).
         self.wo_a = DeepseekV41Linear(

@@ -213,9 +213,9 @@ class DeepseekV41DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         hc, dim = config.hc_mult, config.hidden_size
-        self.attn_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps)
+        self.attn_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps, config.numerics)
         self.attn = DeepseekV41Attention(config, layer_idx, config.weight_dtype)
-        self.ffn_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps)
+        self.ffn_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps, config.numerics)
         self.ffn = DeepseekV41MoE(config, layer_idx, _moe_quantization(config))
         self.engram = (
             DeepseekV41Engram(config, layer_idx, config.weight_dtype) if layer_idx in config.engram_layer_ids else None
@@ -505,7 +505,7 @@ class DeepseekV41Transformer(nn.Module):
         self.hc_mult = text.hc_mult
         self.embed = nn.Embedding(text.vocab_size, dim, dtype=torch.bfloat16)
         self.layers = nn.ModuleList(DeepseekV41DecoderLayer(text, i) for i in range(text.num_hidden_layers))
-        self.norm = DeepseekV41RMSNorm(dim, text.rms_norm_eps)
+        self.norm = DeepseekV41RMSNorm(dim, text.rms_norm_eps, text.numerics)
         self.head = DeepseekV41Head(text.vocab_size, dim)
         self.hc = DeepseekV41HyperConnection(
             text.hc_mult, text.hc_sinkhorn_iters, text.hc_eps, text.rms_norm_eps, numerics=text.numerics

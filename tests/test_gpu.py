@@ -773,6 +773,25 @@ def test_fake_quant_kernels_bitwise_equal_torch(fmt, shape):
     assert torch.equal(public.view(torch.int16), kernel(x).view(torch.int16))
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 5120), (1, 1280), (3, 512), (4096, 5120), (2, 128)])
+def test_rms_norm_kernel_agrees_with_the_torch_ops(shape):
+    """The fused RMSNorm (`triton_ops/rms_norm.py`), compiled, against the torch ops on the GPU:
+    at most one bf16 ulp apart, mostly equal."""
+    from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41RMSNorm
+    from deepseek_v41_vl.triton_ops.rms_norm import rms_norm_triton
+
+    _require_compiled_triton()
+    gen = torch.Generator(device=CUDA).manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=gen, device=CUDA) * torch.logspace(-3, 3, shape[-1], device=CUDA)).to(torch.bfloat16)
+    norm = DeepseekV41RMSNorm(shape[-1], 1e-6, numerics="exact").to(CUDA)
+    with torch.no_grad():
+        norm.weight.copy_((torch.rand(shape[-1], generator=gen, device=CUDA) + 0.5).to(torch.bfloat16))
+        ours, ref = rms_norm_triton(x, norm.weight, 1e-6), norm(x)
+    ulps = (ours.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+    _METRICS[f"rms_norm/{shape}"] = {"max_ulps": int(ulps.max()), "equal": (ulps == 0).float().mean().item()}
+    assert int(ulps.max()) <= 1 and (ulps == 0).float().mean().item() >= 0.99
+
+
 def test_fake_quant_kernels_replay_in_a_cuda_graph():
     """Captured once (after a compiling warm-up), replayed on new input: no host synchronisation."""
     from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import fake_quant_fp4, fake_quant_fp8
