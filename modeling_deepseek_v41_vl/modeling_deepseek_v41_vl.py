@@ -183,7 +183,10 @@ def _decode_position(device: torch.device, start_pos: int) -> torch.Tensor:
     device = torch.device(device)
     pos = _DECODE_POSITIONS.get(device)
     if pos is None:
-        pos = _DECODE_POSITIONS[device] = torch.zeros(1, dtype=torch.int64, device=device)
+        # a normal tensor even when first asked for under torch.inference_mode(): an inference
+        # tensor could not be rewritten by later steps outside it
+        with torch.inference_mode(False):
+            pos = _DECODE_POSITIONS[device] = torch.zeros(1, dtype=torch.int64, device=device)
     return pos.fill_(start_pos)
 
 

@@ -106,6 +106,21 @@ def test_token_ids_outside_the_vocabulary_are_refused(fast, ids, message):
         model(ids)
 
 
+def test_decode_under_inference_mode_then_outside_it(fast, monkeypatch):
+    import deepseek_v41_vl.modeling.modeling_deepseek_v41_vl as modeling
+
+    monkeypatch.setattr(modeling, "_DECODE_POSITIONS", {})  # the position tensor made afresh below
+    model, tensors, inputs = fast
+    token = tensors["prefill.next_token"].view(-1, 1)
+    with torch.inference_mode():
+        cache = DeepseekV41Cache(model.config)
+        model(**inputs, cache=cache, logits_to_keep=1)
+        model(token, cache=cache)  # the first decode step ever may happen here
+    cache = _prefilled(model, inputs)
+    with torch.no_grad():
+        model(token, cache=cache)
+
+
 def test_cache_reorder_takes_existing_rows_only_and_works_outside_inference_mode(fast):
     model, tensors, inputs = fast
     cache = DeepseekV41Cache(model.config)
