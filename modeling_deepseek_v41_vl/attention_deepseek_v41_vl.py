@@ -106,7 +106,7 @@ class DeepseekV41RMSNorm(nn.Module):
 
     Mirrors `inference/model.py: RMSNorm`. The weight holds bf16 values (the checkpoint's); it is
     promoted to fp32 for the product, so holding it in fp32 gives identical results. With
-    ``numerics="fast"``, bf16 rows on CUDA go through one Triton kernel
+    ``numerics="fast"`` (attribute `fused`), bf16 rows on CUDA go through one Triton kernel
     (`triton_ops/rms_norm.py`; the same formula, the mean summed in another order;
     ``DEEPSEEK_V41_RMSNORM_BACKEND`` overrides the choice).
     """
@@ -114,12 +114,12 @@ class DeepseekV41RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-20, numerics: str = "exact"):
         super().__init__()
         self.eps = eps
-        self.numerics = numerics
+        self.fused = numerics == "fast"
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
-            self.numerics == "fast"
+            self.fused
             and x.dtype == torch.bfloat16
             and self.weight.dtype == torch.bfloat16
             and x.size(-1) <= RMS_NORM_MAX_COLS

@@ -62,6 +62,13 @@ def _layers(numerics: str):
     return text, layers
 
 
+def _inputs(text, batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random block inputs: bf16 hidden states ``[B, L, hc, D]`` and a softmaxed pre-mix ``[B, L, hc]``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, length, text.hc_mult, text.hidden_size, generator=gen).to(torch.bfloat16)
+    return x, torch.softmax(torch.randn(batch, length, text.hc_mult, generator=gen), -1)
+
+
 def _cache_tensors(cache) -> dict:
     out = {}
     for layer_id, lc in cache.layers.items():
@@ -100,9 +107,7 @@ def test_decode_step_equals_block(numerics, padded, piecewise_only):
     prefill, steps = 13, 6  # odd prefill: the ratio-2 groups complete on alternate steps
     batch = 2 if padded else 1
     pads = torch.tensor([0, 3]) if padded else None  # row 1 starts 3 columns later
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(batch, prefill + steps, text.hc_mult, text.hidden_size, generator=gen).to(torch.bfloat16)
-    pre = torch.softmax(torch.randn(batch, prefill + steps, text.hc_mult, generator=gen), -1)
+    x, pre = _inputs(text, batch, prefill + steps, seed=5)
     with torch.no_grad():
         state = DeepseekV41AttentionState(start_pos=0, pad_offsets=pads)
         for layer in layers:
@@ -161,9 +166,7 @@ def test_head_outputs_rewritten_by_the_next_step_do_not_leak_into_the_cache(pref
     # by a decode step, from the head's outputs, which a graph rewrites at the next replay
     text, layers = _layers("fast")
     steps = 6
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(1, prefill + steps, text.hc_mult, text.hidden_size, generator=gen).to(torch.bfloat16)
-    pre = torch.softmax(torch.randn(1, prefill + steps, text.hc_mult, generator=gen), -1)
+    x, pre = _inputs(text, 1, prefill + steps, seed=7)
     with torch.no_grad():
         state = DeepseekV41AttentionState(start_pos=0)
         for layer in layers:
@@ -215,9 +218,7 @@ def test_decode_step_and_its_switch_refuse_bad_input():
 def test_whole_decode_step_matches_the_piecewise_split(prefill):
     text, layers = _layers("fast")
     steps = 10
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(1, prefill + steps, text.hc_mult, text.hidden_size, generator=gen).to(torch.bfloat16)
-    pre = torch.softmax(torch.randn(1, prefill + steps, text.hc_mult, generator=gen), -1)
+    x, pre = _inputs(text, 1, prefill + steps, seed=3)
     keys = {layer.layer_idx: [] for layer in layers}
     whole_steps = tie_steps = 0
     with torch.no_grad():
