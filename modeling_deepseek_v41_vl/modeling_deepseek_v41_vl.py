@@ -147,6 +147,15 @@ class DeepseekV41Head(nn.Module):
         return F.linear(hidden_states.float(), self.weight)
 
 
+def _holds_inference_tensors(cache: DeepseekV41Cache) -> bool:
+    """Whether the attention state of `cache` was made under `torch.inference_mode()` (its first
+    layer's window ring tells: every layer's state is made in the same forward)."""
+    for layer in cache.attention.layers.values():
+        if layer.window_kv is not None:
+            return layer.window_kv.is_inference()
+    return False
+
+
 def _check_same_padding(recorded: torch.Tensor | None, pads: torch.Tensor | None, start_pos: int, batch: int) -> None:
     """A forward after position 0: its attention mask must pad the cached positions as the cache
     records (left padding per row; a row still padded throughout may stay so).
@@ -631,7 +640,7 @@ class DeepseekV41Transformer(nn.Module):
 
         Raises:
             DeepseekV41ModelError: `input_ids` that are not integer ids in ``[0, vocab_size)`` or
-                hold no token; images after position 0 or without span marks, spans that do
+                hold no token; a step outside `torch.inference_mode()` on a cache filled inside it; images after position 0 or without span marks, spans that do
                 not fit the images or hold other ids than `image_token_id`, `image_span_embeds`
                 rows that do not match the marked positions.
             DeepseekV41AttentionError: a forward after position 0 on a cache without a prefill,
@@ -650,6 +659,12 @@ class DeepseekV41Transformer(nn.Module):
                 f"input_ids must lie in [0, {vocab}) (vocab_size); got values from {int(input_ids.min())} to {int(input_ids.max())}"
             )
         start_pos = cache.get_seq_length() if cache is not None else 0
+        if start_pos > 0 and not torch.is_inference_mode_enabled() and _holds_inference_tensors(cache):
+            raise DeepseekV41ModelError(
+                "the cache was filled under torch.inference_mode(), whose tensors cannot be updated "
+                "outside it: continue this sequence under torch.inference_mode() too (or fill it "
+                "under torch.no_grad())"
+            )
 
         if pixel_values is not None and start_pos != 0:
             raise DeepseekV41ModelError("pixel_values prefill at position 0 only; pass later chunks image_span_embeds")

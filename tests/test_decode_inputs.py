@@ -116,6 +116,8 @@ def test_decode_under_inference_mode_then_outside_it(fast, monkeypatch):
         cache = DeepseekV41Cache(model.config)
         model(**inputs, cache=cache, logits_to_keep=1)
         model(token, cache=cache)  # the first decode step ever may happen here
+    with torch.no_grad(), pytest.raises(DeepseekV41ModelError, match="continue this sequence under torch.inference_mode"):
+        model(token, cache=cache)  # the inference-mode cache, outside it
     cache = _prefilled(model, inputs)
     with torch.no_grad():
         model(token, cache=cache)
