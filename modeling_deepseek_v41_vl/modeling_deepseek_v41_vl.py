@@ -640,9 +640,10 @@ class DeepseekV41Transformer(nn.Module):
 
         Raises:
             DeepseekV41ModelError: `input_ids` that are not integer ids in ``[0, vocab_size)`` or
-                hold no token; a step outside `torch.inference_mode()` on a cache filled inside it; images after position 0 or without span marks, spans that do
-                not fit the images or hold other ids than `image_token_id`, `image_span_embeds`
-                rows that do not match the marked positions.
+                hold no token; a step outside `torch.inference_mode()` on a cache filled inside
+                it; images after position 0 or without span marks, spans that do not fit the
+                images or hold other ids than `image_token_id`, `image_span_embeds` rows that do
+                not match the marked positions.
             DeepseekV41AttentionError: a forward after position 0 on a cache without a prefill,
                 an attention mask that is not a left padding of every position so far, or one
                 whose padding of the positions already cached differs from the cache's.
