@@ -52,6 +52,7 @@ from .attention_deepseek_v41_vl import (
     DeepseekV41AttentionError,
     DeepseekV41AttentionState,
     DeepseekV41RMSNorm,
+    DecodePlan,
     left_padding_offsets,
 )
 from .cache_deepseek_v41_vl import DeepseekV41Cache
@@ -320,7 +321,7 @@ class DeepseekV41DecoderLayer(nn.Module):
         """
         one_step = x.size(1) == 1 and attention_state.start_pos > 0 and self.attn.numerics == "fast"
         if one_step and not self._submodules_hooked():
-            if self._decode_graphs_apply(x, attention_state):
+            if self._decode_graphs_apply(x.size(0), x.device, attention_state):
                 return self.decode_step(x, pre_mix_in, attention_state, image_mask, graphs=True)
             if self._whole_decode_step:
                 # the same computation a graph replays (graphs off, or on the CPU)
@@ -356,9 +357,18 @@ class DeepseekV41DecoderLayer(nn.Module):
         x2, f_pre = self._ffn_half(self.attn.output(o, freqs), x, attn_pre, attn_post, attn_comb, image_mask)
         return x2, f_pre, topk_idxs, blocks
 
-    def _segment(self, name: str, device: torch.device) -> GraphedSegment:
+    def _segment(self, name, device: torch.device, run: list | None = None) -> GraphedSegment:
         if self._decode_segments is None:
             self._decode_segments = {}
+        if name not in self._decode_segments and run is not None:
+            # a run of layers starting here (`decode_layers`): any layer's weights moving drops it
+            self._decode_segments[name] = GraphedSegment(
+                _run_step,
+                _graph_pool(device),
+                lambda: tuple(layer._graph_owner_key() for layer in run),
+                clone_first=2,
+                borrowed=(2,),
+            )
         if name not in self._decode_segments:
             pool = _graph_pool(device)
             self._decode_segments[name] = {
@@ -382,25 +392,51 @@ class DeepseekV41DecoderLayer(nn.Module):
         replay, or the step's own function, would skip them."""
         modules = self.__dict__.get("_hook_watch")
         if modules is None:
-            modules = self.__dict__["_hook_watch"] = list(self.modules())[1:]
+            # not the routed experts (~1500 modules at release width, too many to scan at every
+            # step): the steps that skip module calls run them in the expert kernels, as the
+            # plain forward does then, so hooks on them fire in neither; an eager step calls
+            # them as modules, as the plain forward does
+            experts = {id(m) for m in self.ffn.experts.modules()}
+            modules = self.__dict__["_hook_watch"] = [m for m in self.modules() if id(m) not in experts][1:]
         if _global_forward_hooks or _global_forward_pre_hooks:
             return True
         return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
-    def _decode_graphs_apply(self, x, state: DeepseekV41AttentionState) -> bool:
-        if not (self.decode_cuda_graphs and x.is_cuda and x.size(1) == 1 and state.start_pos > 0):
+    def _decode_graphs_apply(self, batch: int, device: torch.device, state: DeepseekV41AttentionState) -> bool:
+        if not (self.decode_cuda_graphs and device.type == "cuda" and state.start_pos > 0):
             return False
         if self.attn.numerics != "fast" or torch.is_grad_enabled():
             return False
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return False
-        if not self.ffn.runs_without_host_sync(x.size(0), x.device):
+        if not self.ffn.runs_without_host_sync(batch, device):
             return False  # e.g. a batch past the expert kernels' size: the MoE reads counts on the host
         # accelerate's offloading hooks swap the weights in and out around each forward: a graph
         # would keep reading the addresses of the first load
         hook = getattr(self, "_hf_hook", None)
         hooks = getattr(hook, "hooks", [hook]) if hook is not None else []
         return not any(getattr(h, "offload", False) for h in hooks)
+
+    def run_plan(self, batch: int, state: DeepseekV41AttentionState, graphs: bool) -> DecodePlan | None:
+        """This layer's plan (:meth:`DeepseekV41Attention.decode_plan`) when its one-token step can
+        join a run of layers replayed as one (:func:`decode_layers`), else None: Engram layers,
+        hooked submodules, exact numerics, left padding, a cache not ready for the fixed-shape step,
+        and with `graphs` whatever keeps :meth:`block` from replaying its step on CUDA."""
+        if self.engram is not None or not self._whole_decode_step or self.attn.numerics != "fast":
+            return None
+        if state.start_pos == 0 or torch.is_grad_enabled() or self._submodules_hooked():
+            return None
+        device = self.weight_device
+        if graphs and not (
+            self._decode_graphs_apply(batch, device, state) and self.attn.sparse_attention_graph_safe(device)
+        ):
+            return None
+        return self.attn.decode_plan(state, batch)
+
+    @property
+    def weight_device(self) -> torch.device:
+        """The device of the layer's weights (where its step runs)."""
+        return self.attn.wq_a.weight.device
 
     def _graph_owner_key(self) -> tuple:
         return (self.attn.numerics, self.attn.wq_a.weight.data_ptr(), self.ffn.shared_experts.w2.weight.data_ptr())
@@ -477,6 +513,139 @@ class DeepseekV41DecoderLayer(nn.Module):
         x2, f_pre, topk_idxs, blocks = out
         attn.decode_commit(plan, state, topk_idxs, blocks)
         return x2, f_pre
+
+
+class _PendingHandDown:
+    """Stands in the attention state for a hand-down (top-k indices, candidate blocks) of a layer
+    planned into a run that has not been replayed yet: later layers' plans only ask whether it
+    exists; the run's replay puts the tensor there."""
+
+    def __repr__(self) -> str:
+        return "<hand-down of a pending run>"
+
+
+_PENDING = _PendingHandDown()
+
+
+def _run_step(context, x, pre_mix_in, pos, image_mask, *outside):
+    """The one-token steps of a run of layers, one after another (the function a run's graph
+    captures). `context` = ``(entries, cache, outside_keys)``: ``(layer, plan)`` pairs, the
+    attention cache, and what each of `outside` is (an index source's layer id, or "blocks" for
+    the candidate blocks) for hand-downs made before the run. Returns ``(x, f_pre, *topk of the
+    run's index sources in order, candidate blocks made in the run or None)``."""
+    entries, cache, outside_keys = context
+    handed = dict(zip(outside_keys, outside))
+    made, blocks_made = [], None
+    for layer, plan in entries:
+        attn = layer.attn
+        topk = handed[attn.index_source] if attn.ratio and not attn.is_index_source else None
+        blocks = handed["blocks"] if attn.indexer is not None and attn.indexer.uses_candidates else None
+        x, pre_mix_in, topk, blocks = layer._decode_whole((plan, cache), x, pre_mix_in, pos, image_mask, topk, blocks)
+        if topk is not None:
+            handed[layer.layer_idx] = topk
+            made.append(topk)
+        if blocks is not None:
+            handed["blocks"] = blocks_made = blocks
+    return (x, pre_mix_in, *made, blocks_made)
+
+
+def _replay_run(entries, x, pre_mix_in, state: DeepseekV41AttentionState, image_mask, graphs: bool):
+    """Run the planned `entries` (their plans already committed on the host) as one step: on one
+    CUDA graph with `graphs`, else eagerly. Puts the run's hand-downs in `state`."""
+    device = entries[0][0].weight_device
+    x, pre_mix_in = x.to(device), pre_mix_in.to(device)
+    image_mask = image_mask.to(device) if image_mask is not None else None
+    pos = state.step_table(("decode_pos", device), lambda: _decode_position(device, state.start_pos))
+    inside, outside_keys = set(), []  # hand-downs made in the run so far; those it reads from before it
+    for layer, _ in entries:
+        attn, indexer = layer.attn, layer.attn.indexer
+        wants = []
+        if attn.ratio and not attn.is_index_source:
+            wants.append(attn.index_source)
+        if indexer is not None and indexer.uses_candidates:
+            wants.append("blocks")
+        outside_keys += [k for k in wants if k not in inside and k not in outside_keys]
+        if attn.ratio and attn.is_index_source:
+            inside.add(layer.layer_idx)
+        if indexer is not None and indexer.is_candidate_source:
+            inside.add("blocks")
+    outside = [(state.candidate_blocks if k == "blocks" else state.topk_idxs[k]).to(device) for k in outside_keys]
+    context = (entries, state.cache, tuple(outside_keys))
+    args = (x, pre_mix_in, pos, image_mask, *outside)
+    if graphs:
+        ids = tuple(layer.layer_idx for layer, _ in entries)
+        run = [layer for layer, _ in entries]
+        segment = entries[0][0]._segment(("run", ids), device, run)
+        key = (tuple(outside_keys), *(plan.key for _, plan in entries))
+        out = segment(*args, key=key, context=context)
+    else:
+        out = _run_step(context, *args)
+    x, pre_mix_in, *made, blocks = out
+    sources = [layer.layer_idx for layer, _ in entries if layer.attn.ratio and layer.attn.is_index_source]
+    for layer_id, topk in zip(sources, made, strict=True):
+        state.topk_idxs[layer_id] = topk
+    if blocks is not None:
+        state.candidate_blocks = blocks
+    return x, pre_mix_in
+
+
+def decode_layers(
+    layers: Sequence[DeepseekV41DecoderLayer],
+    x: torch.Tensor,
+    pre_mix_in: torch.Tensor,
+    state: DeepseekV41AttentionState,
+    image_mask: torch.Tensor | None = None,
+    engram_hash_ids: torch.Tensor | None = None,
+    engram_mask: torch.Tensor | None = None,
+    graphs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A one-token decode step through consecutive decoder `layers`, with each run of layers that
+    share a device replayed from one CUDA graph: one launch for the run instead of one per layer,
+    so the host's work per layer is only its plan (:meth:`DeepseekV41DecoderLayer.run_plan`).
+
+    A layer that cannot join a run (an Engram layer, hooks, a cache not ready for the fixed-shape
+    step, graphs off for it: see `run_plan`) ends the run before it and takes its own call
+    (``layer(...)``, which may still replay its own graphs). The values are those of calling the
+    layers one by one, bit for bit: a run executes each layer's :meth:`_decode_whole` in order,
+    handing top-k indices and candidate blocks from layer to layer inside the graph.
+
+    Args:
+        layers: consecutive decoder layers (a model's `layers`, or a slice of them).
+        x: bf16 ``[B, 1, hc, D]``; pre_mix_in: fp32 ``[B, 1, hc]``.
+        state: the step's attention state (``start_pos > 0``).
+        image_mask, engram_hash_ids, engram_mask: as :meth:`DeepseekV41DecoderLayer.forward`.
+        graphs: replay runs from CUDA graphs (False: run them eagerly, the same computation;
+            tests compare the two on the CPU).
+
+    Returns:
+        ``(x, f_pre)`` of the last layer, on its device.
+
+    Raises:
+        DeepseekV41ModelError: not one token per row, or position 0.
+    """
+    if x.dim() != 4 or x.size(1) != 1:
+        raise DeepseekV41ModelError(f"decode_layers takes one token per row, x [B, 1, hc, D]; got {tuple(x.shape)}")
+    if state.start_pos == 0:
+        raise DeepseekV41ModelError("decode_layers follows a prefill: state.start_pos is 0")
+    batch, pending = x.size(0), []
+    for layer in layers:
+        plan = layer.run_plan(batch, state, graphs)
+        if pending and (plan is None or layer.weight_device != pending[0][0].weight_device):
+            x, pre_mix_in = _replay_run(pending, x, pre_mix_in, state, image_mask, graphs)
+            pending = []
+        if plan is None:
+            x, pre_mix_in = layer(x, pre_mix_in, state, image_mask, engram_hash_ids, engram_mask)
+            continue
+        # the host bookkeeping now: the next layers' plans read it (row counts, the publisher)
+        layer.attn.decode_commit(plan, state, None, None)
+        if layer.attn.ratio and layer.attn.is_index_source:
+            state.topk_idxs[layer.layer_idx] = _PENDING
+        if layer.attn.indexer is not None and layer.attn.indexer.is_candidate_source:
+            state.candidate_blocks = _PENDING
+        pending.append((layer, plan))
+    if pending:
+        x, pre_mix_in = _replay_run(pending, x, pre_mix_in, state, image_mask, graphs)
+    return x, pre_mix_in
 
 
 @dataclass
@@ -737,8 +906,12 @@ class DeepseekV41Transformer(nn.Module):
         pre_mix = identity_pre_mix(x, self.hc_mult)
         attention_cache = cache.attention if cache is not None else DeepseekV41AttentionCache()
         state = DeepseekV41AttentionState(start_pos=start_pos, cache=attention_cache, pad_offsets=pad_offsets)
-        for layer in self.layers:
-            x, pre_mix = layer(x, pre_mix, state, image_mask, hash_ids, engram_mask)
+        if input_ids.size(1) == 1 and start_pos > 0:
+            # runs of layers on one GPU replay as one CUDA graph (where they can)
+            x, pre_mix = decode_layers(self.layers, x, pre_mix, state, image_mask, hash_ids, engram_mask)
+        else:
+            for layer in self.layers:
+                x, pre_mix = layer(x, pre_mix, state, image_mask, hash_ids, engram_mask)
         hidden = self.norm(self.hc.pre(x, pre_mix))
         if cache is not None:
             cache.record_tokens(input_ids.size(1))

@@ -268,14 +268,25 @@ def test_decode_cuda_graphs_equal_eager_steps(golden, variant):
         results[graphs] = (torch.stack(logits), cache)
     for layer in model.layers:
         layer.decode_cuda_graphs = True
-    # every step is one graph per layer (no piecewise head/tail), captured per cache layout and
-    # replayed after: once, twice on a ratio > 1 source (steps that end a group write a row), once
-    # more where a buffer crossed a bucket during the 16 steps
-    segments = [layer._decode_segments for layer in model.layers]
-    assert all(set(seg) == {"whole"} for seg in segments), [sorted(seg) for seg in segments]
-    captured = [len(seg["whole"]) for seg in segments]
-    limits = [(2 if (layer.attn.compressor is not None and layer.attn.ratio > 1) else 1) * 2 for layer in model.layers]
-    assert all(1 <= c <= limit for c, limit in zip(captured, limits)), captured
+    # every step replays each run of layers between the Engram layers as one graph (the Engram
+    # layers: one graph each, no piecewise head/tail), captured per cache layout and replayed
+    # after: once, twice where a ratio > 1 source is in it (steps that end a group write a row),
+    # twice that where a buffer crossed a bucket during the 16 steps
+    text = model.config.text_config
+    runs, alone = {}, {}
+    for layer in model.layers:
+        for name, segment in (layer._decode_segments or {}).items():
+            (runs if name[0] == "run" else alone)[name if name[0] == "run" else layer.layer_idx] = (name, segment)
+    engram = set(text.engram_layer_ids)
+    assert engram and set(alone) == engram, sorted(alone)
+    assert all(name == "whole" for name, _ in alone.values())
+    in_runs = sorted(i for ids in runs for i in ids[1])
+    assert in_runs == [i for i in range(text.num_hidden_layers) if i not in engram], sorted(runs)
+    for ids, (_, segment) in runs.items():
+        pooled = any(model.layers[i].attn.ratio > 1 and model.layers[i].attn.compressor is not None for i in ids[1])
+        assert 1 <= len(segment) <= (2 if pooled else 1) * 2, (ids, len(segment))
+    for i in engram:
+        assert 1 <= len(alone[i][1]) <= 2, (i, len(alone[i][1]))
     eager, graphed = results[False][0], results[True][0]
     _METRICS[f"decode_graphs/{variant}"] = {"bitwise": torch.equal(eager, graphed), "rel_l2": rel_l2(graphed, eager)}
     assert rel_l2(graphed, eager) < 1e-5
