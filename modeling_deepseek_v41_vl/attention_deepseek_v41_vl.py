@@ -1581,8 +1581,8 @@ class DeepseekV41Attention(nn.Module):
     ) -> None:
         """The host-side bookkeeping of a :meth:`decode_static` step: row counts of the written
         buffers, the index-key publisher, and what the step hands down to later layers (under a
-        CUDA graph these are the graph's own output buffers: read within the step, rewritten by
-        the layer's next replay)."""
+        CUDA graph these are buffers the graph writes, outside its memory pool: valid through the
+        step, rewritten by the graph's next replay)."""
         if plan.writes:
             own = state.cache.layer(self.layer_id)
             own.compressed_kv.length = plan.visible

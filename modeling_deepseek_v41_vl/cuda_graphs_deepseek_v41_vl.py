@@ -13,11 +13,16 @@ steps from CUDA graphs, in one of two ways:
   fixed-shape head (mHC mixes, norms, projections) and tail (output projection, MoE) replayed, the
   cache-dependent middle of the attention run eagerly.
 
+:func:`decode_layers` goes further: the steps of consecutive layers on one GPU replay as one graph
+(one launch per run of layers), planned one after another on the host first.
+
 :class:`GraphedSegment` captures a function of tensors, once per input signature (and layout key),
 into a graph and replays it: the arguments are copied into the graph's static inputs, the graph is
 replayed, and the outputs are returned, as fresh tensors (clones) when the caller may keep them
 past the segment's next replay. The decode graphs of every layer (of every model) on one GPU share one
-memory pool: safe because they replay one after another on one stream; decoding two models
+memory pool: safe because they replay one after another on one stream, and because what a graph
+hands on past other graphs' replays (a layer's top-k indices, read layers later) is copied into
+buffers outside the pool (`clone_first`); decoding two models
 concurrently from several threads or streams is not supported with graphs on (set
 `decode_cuda_graphs = False` on their layers).
 """
@@ -62,8 +67,11 @@ class GraphedSegment:
         borrowed: positions of arguments that are another graph's static tensors (the same
             storage at every call, e.g. the outputs of the segment before): the capture reads them
             in place, and a call that passes that storage again copies nothing.
-        clone_first: with `clone_outputs`, clone only this many leading outputs (the rest are
-            consumed before the next replay).
+        clone_first: with `clone_outputs`, clone only this many leading outputs. The rest are
+            copied, inside the graph, into buffers of their own outside the memory pool: they
+            stay valid until this segment's next replay of the same graph, whatever other graphs
+            of the pool replay meanwhile (a graph's pool memory is another graph's scratch: an
+            output left there would be overwritten by the next graph captured over it).
         max_graphs: graphs kept, least recently used dropped first (each holds its own
             intermediates in the pool).
     """
@@ -107,11 +115,19 @@ class GraphedSegment:
             # warm-up outside the capture: Triton compiles and autotunes, lazy tables and cuBLAS
             # handles are created here, not inside the graph. Its side effects on caches are
             # repeated by the replay that follows, which writes the same values again.
-            fn(*inputs)
+            warm = fn(*inputs)
         torch.cuda.current_stream().wait_stream(stream)
+        kept = {}
+        if self.clone_outputs and self.clone_first is not None and isinstance(warm, tuple):
+            kept = {i: torch.empty_like(o) for i, o in enumerate(warm) if i >= self.clone_first and o is not None}
+        del warm
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=_capture_stream(stream.device)):
             outputs = fn(*inputs)
+            for i, buffer in kept.items():
+                buffer.copy_(outputs[i])
+        if kept:
+            outputs = tuple(kept.get(i, o) for i, o in enumerate(outputs))
         return graph, inputs, outputs
 
     def __call__(self, *args, key: tuple = (), context=None):
