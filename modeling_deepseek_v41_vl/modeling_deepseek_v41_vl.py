@@ -205,8 +205,19 @@ def _graph_pool(device: torch.device):
     replay one after another on one stream, so their intermediates may share memory)."""
     key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
     if key not in _GRAPH_POOLS:
-        _GRAPH_POOLS[key] = torch.cuda.graph_pool_handle()
-    return _GRAPH_POOLS[key]
+        handle = torch.cuda.graph_pool_handle()
+        # a pool lives while a graph uses it: once the last one is freed (graphs dropped after
+        # `.to()`, or collected when a capture starts), capturing into its handle again fails
+        # inside torch. A one-kernel graph kept here keeps the pool alive.
+        with torch.cuda.device(key):
+            stream = torch.cuda.Stream()
+            keeper, scratch = torch.cuda.CUDAGraph(), torch.zeros(1, device=torch.device("cuda", key))
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.graph(keeper, pool=handle, stream=stream):
+                scratch.add_(1)
+            torch.cuda.current_stream().wait_stream(stream)
+        _GRAPH_POOLS[key] = (handle, keeper, scratch)
+    return _GRAPH_POOLS[key][0]
 
 
 class DeepseekV41DecoderLayer(nn.Module):
