@@ -831,6 +831,27 @@ def test_fake_quant_kernels_replay_in_a_cuda_graph():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_triton_ops_launch_on_the_gpu_of_their_tensors():
+    """Triton launches on the current device's stream: every op makes its tensors' GPU current
+    (the model's final norm on GPU 1 is called while GPU 0 is current, under an "auto" map)."""
+    from deepseek_v41_vl.triton_ops.kernel_backend import on_input_device
+    from deepseek_v41_vl.triton_ops.rms_norm import rms_norm_triton
+
+    seen = []
+    probe = on_input_device(lambda t: seen.append(torch.cuda.current_device()))
+    with torch.cuda.device(0):
+        probe(torch.zeros(1, device="cuda:1"))
+        probe(torch.zeros(1, device="cuda:0"))
+        x = torch.randn(64, 5120, device="cuda:1").bfloat16()
+        w = torch.rand(5120, device="cuda:1")
+        got = rms_norm_triton(x, w, 1e-6)
+    assert seen == [1, 0]
+    with torch.cuda.device(1):
+        want = rms_norm_triton(x, w, 1e-6)
+    assert got.device == torch.device("cuda", 1) and torch.equal(got, want)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_layers_split_over_two_gpus_decode_from_graphs_like_one_gpu(golden, converted_tiny_fp8):
     """A device_map over GPUs 0 and 1 (decoder layers whole, half on each): the decode steps of
     the layers on GPU 1 are captured and replayed on GPU 1, and generation gives the one-GPU

@@ -56,7 +56,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
-from .kernel_backend import triton_interpret_mode
+from .kernel_backend import on_input_device, triton_interpret_mode
 
 __all__ = ["DequantizationError", "ENV_BACKEND", "dequantize_fp4_triton", "dequantize_fp8_triton"]
 
@@ -231,6 +231,7 @@ def _output(out: torch.Tensor | None, shape: tuple[int, int], weight: torch.Tens
     return out
 
 
+@on_input_device
 def dequantize_fp8_triton(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp8 e4m3 ``[N, K]`` x e8m0 32 x 32 block scales -> bf16 ``[N, K]``, one kernel launch.
 
@@ -278,6 +279,7 @@ def dequantize_fp8_triton(weight: torch.Tensor, scale: torch.Tensor, out: torch.
     return out
 
 
+@on_input_device
 def dequantize_fp4_triton(weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Packed fp4 e2m1 ``[N, K/2]`` x e8m0 per-32 scales ``[N, K/32]`` -> bf16 ``[N, K]``, one launch.
 

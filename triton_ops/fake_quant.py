@@ -50,7 +50,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
-from .kernel_backend import resolve_backend, triton_available, triton_interpret_mode
+from .kernel_backend import on_input_device, resolve_backend, triton_available, triton_interpret_mode
 
 if triton is not None:
     from .quant_linear import _pow2_scale, _round_to_e4m3, _to_bf16_rne
@@ -163,6 +163,7 @@ def _check_input(x: torch.Tensor, group: int, what: str) -> None:
         )
 
 
+@on_input_device
 def _launch(x: torch.Tensor, group: int, is_fp4: bool, e4m3_scale: bool) -> torch.Tensor:
     src = x if x.is_contiguous() else x.contiguous()
     out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)

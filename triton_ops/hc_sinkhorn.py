@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
-from .kernel_backend import triton_available, triton_interpret_mode
+from .kernel_backend import on_input_device, triton_available, triton_interpret_mode
 from .kernel_backend import resolve_backend as _resolve_backend
 
 ENV_BACKEND = "DEEPSEEK_V41_HC_SINKHORN_BACKEND"
@@ -160,6 +160,7 @@ def _check(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult
         )
 
 
+@on_input_device
 def hc_split_sinkhorn_triton(
     mixes: torch.Tensor,
     scale: torch.Tensor,

@@ -8,6 +8,8 @@ interpreter (``TRITON_INTERPRET=1``), which is how the tests exercise the kernel
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 
 import torch
@@ -58,3 +60,23 @@ def resolve_backend(
     if backend == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "torch"
     return backend
+
+
+def on_input_device(fn):
+    """Decorator: run `fn` with the GPU of its first tensor argument as the current CUDA device.
+
+    Triton launches a kernel on the current device's current stream, not on its tensors' device:
+    for tensors on another GPU (a layer placed there by a device_map, called outside its own
+    device context) the kernel would run on the wrong GPU's stream, unordered with the work that
+    makes its inputs."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        context = contextlib.nullcontext()
+        if tensor is not None and tensor.is_cuda and tensor.device.index != torch.cuda.current_device():
+            context = torch.cuda.device(tensor.device)
+        with context:
+            return fn(*args, **kwargs)
+
+    return wrapper

@@ -81,6 +81,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
 
+from .kernel_backend import on_input_device
 from .kernel_backend import resolve_backend as _resolve_backend
 
 __all__ = [
@@ -674,6 +675,7 @@ def _block_k(k: int, want: int) -> int:
     return block
 
 
+@on_input_device
 def moe_experts_triton(
     x: torch.Tensor,
     weights: torch.Tensor,
@@ -786,6 +788,7 @@ def moe_experts_triton(
     return _combine(y, ids, n_tokens, top_k, out)
 
 
+@on_input_device
 def _combine(y, ids, n_tokens, top_k, out):
     d = y.size(1)
     block_d = min(1024, triton.next_power_of_2(d))

@@ -44,6 +44,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
 
+from .kernel_backend import on_input_device
 from .kernel_backend import resolve_backend as _resolve_backend
 from .kernel_backend import triton_interpret_mode
 from .moe_experts import _FORMATS, QUANT_GROUP, ExpertWeightTable
@@ -171,6 +172,7 @@ def _check_runnable(device: torch.device) -> None:
 _DEQUANT_CONFIG = {"bf16": (32, 8, 8), "fp4": (32, 8, 8), "fp8": (32, 8, 8)}
 
 
+@on_input_device
 def dequantize_experts(
     table: ExpertWeightTable,
     which: str,
@@ -242,6 +244,7 @@ def grouped_mm_available(device: torch.device) -> bool:
     return device.type == "cuda" and hasattr(torch, "_grouped_mm")
 
 
+@on_input_device
 def _fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
     # `fake_quant_fp8` of each row (row-local), one launch
     n, d = x.shape

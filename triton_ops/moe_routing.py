@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kernel_backend import on_input_device
+
 try:  # triton is optional: CPU-only installs use the torch backend
     import triton
     import triton.language as tl
@@ -192,6 +194,7 @@ if triton is not None:
         tl.store(ids_ptr + out_offs, out_ids, mask=out_ok)
 
 
+@on_input_device
 def _route_topk_triton(router_logits, bias, bias_vl, image_rows, top_k, route_scale, gate_temp, norm_topk_prob):
     if triton is None:
         raise MoERoutingError("backend='triton' needs the triton package, which is not installed")

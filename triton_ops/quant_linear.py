@@ -58,7 +58,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
-from .kernel_backend import resolve_backend, triton_available, triton_interpret_mode
+from .kernel_backend import on_input_device, resolve_backend, triton_available, triton_interpret_mode
 
 ENV_BACKEND = "DEEPSEEK_V41_QUANT_LINEAR_BACKEND"
 # Rows (tokens) up to which DeepseekV41Linear uses the kernel: one 16-row MMA tile. Beyond that the
@@ -376,6 +376,7 @@ def _check_config(config: QuantLinearConfig) -> None:
             raise QuantLinearError(f"{name} must be >= 1, got {getattr(config, name)}")
 
 
+@on_input_device
 def quantized_linear_triton(
     x: torch.Tensor,
     weight: torch.Tensor,

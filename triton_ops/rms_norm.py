@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
-from .kernel_backend import resolve_backend, triton_available, triton_interpret_mode
+from .kernel_backend import on_input_device, resolve_backend, triton_available, triton_interpret_mode
 
 if triton is not None:
     from .fake_quant import _bf16_to_fp32
@@ -72,6 +72,7 @@ def _kernel_is_interpreted() -> bool:
     return triton is not None and type(_rms_norm_kernel).__name__ == "InterpretedFunction"
 
 
+@on_input_device
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension in one launch (numerics in the module docstring).
 

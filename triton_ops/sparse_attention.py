@@ -49,7 +49,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
-from .kernel_backend import BACKENDS, triton_available, triton_interpret_mode
+from .kernel_backend import BACKENDS, on_input_device, triton_available, triton_interpret_mode
 from .kernel_backend import resolve_backend as _resolve_backend
 
 ENV_BACKEND = "DEEPSEEK_V41_SPARSE_ATTN_BACKEND"
@@ -300,6 +300,7 @@ def _query_bucket(n_rows: int) -> int:
     return 0 if n_rows < 64 else 1 if n_rows < 4096 else 2
 
 
+@on_input_device
 def sparse_attention_triton(
     q: torch.Tensor,
     kv: torch.Tensor,

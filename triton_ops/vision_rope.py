@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
-from .kernel_backend import BACKENDS, triton_available, triton_interpret_mode
+from .kernel_backend import BACKENDS, on_input_device, triton_available, triton_interpret_mode
 from .kernel_backend import resolve_backend as _resolve_backend
 
 ENV_BACKEND = "DEEPSEEK_V41_VISION_ROPE_BACKEND"
@@ -139,6 +139,7 @@ def _kernel():
     return _KERNELS[interpret]
 
 
+@on_input_device
 def _rotate_pair_triton(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
