@@ -843,7 +843,7 @@ def test_triton_ops_launch_on_the_gpu_of_their_tensors():
         probe(torch.zeros(1, device="cuda:1"))
         probe(torch.zeros(1, device="cuda:0"))
         x = torch.randn(64, 5120, device="cuda:1").bfloat16()
-        w = torch.rand(5120, device="cuda:1")
+        w = torch.rand(5120, device="cuda:1").bfloat16()
         got = rms_norm_triton(x, w, 1e-6)
     assert seen == [1, 0]
     with torch.cuda.device(1):
