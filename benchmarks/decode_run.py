@@ -15,13 +15,19 @@ ways of running each step (the cache moves one token per step whichever way runs
 
 Prints a markdown report (and writes it to `--out` when given).
 
-    python benchmarks/decode_run.py --prefill 4096 --steps 48 [--layer-ids 0 2 3 20 21 24]
+    python benchmarks/decode_run.py --prefill 4096 --steps 48 [--layer-ids 0 2 3 20 21 24] [--profile]
+
+With `--profile`, the host side of the timed "one by one" and "run" steps is also profiled
+(cProfile, the functions with the most own time to stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -64,6 +70,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=48, help="timed steps (split over the three modes)")
     parser.add_argument("--layer-ids", type=int, nargs="+", default=[0, 2, 3, 20, 21, 24])
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", action="store_true", help="cProfile the host side (stderr)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("decode_run.py needs a CUDA device")
@@ -88,6 +95,7 @@ def main() -> None:
     wall = {mode: [] for mode in MODES}
     gpu = [[] for _ in layers]
     seen = {mode: 0 for mode in MODES}
+    profiles = {mode: cProfile.Profile() for mode in MODES[:2]}
     with torch.no_grad():
         state = DeepseekV41AttentionState(start_pos=0)
         for layer in layers:
@@ -100,6 +108,9 @@ def main() -> None:
             timed = seen[mode] >= WARMUP
             seen[mode] += 1
             torch.cuda.synchronize()
+            profile = profiles.get(mode) if (args.profile and timed) else None
+            if profile is not None:
+                profile.enable()
             t0 = time.perf_counter()
             if mode == "one by one":
                 for layer in layers:
@@ -115,6 +126,8 @@ def main() -> None:
                     h, m = decode_layers([layer], h, m, step)
                     end.record()
                     events.append((start, end))
+            if profile is not None:
+                profile.disable()
             torch.cuda.synchronize()
             t1 = time.perf_counter()
             if timed:
@@ -141,6 +154,11 @@ def main() -> None:
     for layer, times in zip(layers, gpu):
         lines.append(f"| {layer.layer_idx} | {kind(layer)} | {statistics.median(times):.3f} |")
     report = "\n".join(lines) + "\n"
+    for mode, profile in profiles.items():
+        if args.profile:
+            text_out = io.StringIO()
+            pstats.Stats(profile, stream=text_out).sort_stats("tottime").print_stats(25)
+            print(f"== host profile: {mode}\n{text_out.getvalue()}", file=sys.stderr)
     print(report)
     if args.out is not None:
         tmp = args.out.with_suffix(args.out.suffix + ".tmp")
