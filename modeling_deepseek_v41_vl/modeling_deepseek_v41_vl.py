@@ -703,6 +703,7 @@ class DeepseekV41Transformer(nn.Module):
             text.hc_mult, text.hc_sinkhorn_iters, text.hc_eps, text.rms_norm_eps, numerics=text.numerics
         )
         self.engram_hash = DeepseekV41EngramHash(text) if text.engram_layer_ids else None
+        self.decode_layer_runs = False
         self.vision_enabled = config.vision_config.num_hidden_layers > 0
         if self.vision_enabled:
             with _default_dtype(torch.bfloat16):
@@ -710,6 +711,26 @@ class DeepseekV41Transformer(nn.Module):
                 self.aligner = DeepseekV41VisionAligner(config.vision_config)
             for name in ("image_start", "image_end", "image_newline"):
                 self.register_parameter(name, nn.Parameter(torch.empty(dim, dtype=torch.bfloat16)))
+
+    @property
+    def decode_layer_runs(self) -> bool:
+        """Whether one-token decode steps replay each run of layers on a GPU as one CUDA graph
+        (:func:`decode_layers`) instead of one graph per layer. Default False: a run's layers are
+        all planned on the host before its graph starts, while per-layer graphs let the host plan
+        a layer while the GPU runs the one before; on an H200 the per-layer graphs were faster
+        (host work ~0.1-0.2 ms per layer against ~0.6 ms of GPU time: BENCHMARKS.md). Runs pay
+        where the host is the slower side. Both give the same values, bit for bit.
+
+        Raises (on assignment):
+            DeepseekV41ModelError: a value that is not a bool.
+        """
+        return self._decode_layer_runs
+
+    @decode_layer_runs.setter
+    def decode_layer_runs(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise DeepseekV41ModelError(f"decode_layer_runs must be True or False, got {value!r}")
+        self._decode_layer_runs = value
 
     # -- images ---------------------------------------------------------------------------
     def get_image_features(
@@ -917,8 +938,7 @@ class DeepseekV41Transformer(nn.Module):
         pre_mix = identity_pre_mix(x, self.hc_mult)
         attention_cache = cache.attention if cache is not None else DeepseekV41AttentionCache()
         state = DeepseekV41AttentionState(start_pos=start_pos, cache=attention_cache, pad_offsets=pad_offsets)
-        if input_ids.size(1) == 1 and start_pos > 0:
-            # runs of layers on one GPU replay as one CUDA graph (where they can)
+        if input_ids.size(1) == 1 and start_pos > 0 and self.decode_layer_runs:
             x, pre_mix = decode_layers(self.layers, x, pre_mix, state, image_mask, hash_ids, engram_mask)
         else:
             for layer in self.layers:

@@ -109,6 +109,14 @@ def test_a_hooked_layer_splits_the_run(runs_seen):
     _assert_same_state(run, alone)
 
 
+def test_runs_are_off_by_default_and_the_switch_takes_bools_only(golden):
+    model = golden_model(golden, "model_tiny_fp8", "fast")
+    assert model.decode_layer_runs is False
+    with pytest.raises(DeepseekV41ModelError, match="decode_layer_runs must be True or False"):
+        model.decode_layer_runs = 1
+    assert model.decode_layer_runs is False
+
+
 def test_decode_layers_refuses_a_prefill_and_several_tokens():
     text, layers = _layers("fast")
     x, pre = _inputs(text, 1, 2, seed=1)
@@ -135,6 +143,7 @@ def test_the_model_decodes_through_runs_like_layer_by_layer(golden, monkeypatch,
             alone = model(token, cache=cache).logits
             with monkeypatch.context() as m:
                 m.setattr(modeling, "decode_layers", eager_runs)
+                m.setattr(model, "decode_layer_runs", True)
                 run = model(token, cache=run_cache).logits
             assert torch.equal(run, alone), step
             token = alone.argmax(-1)

@@ -242,16 +242,19 @@ def test_golden_decode_on_gpu(golden, variant, run):
     assert sum(agree) / steps >= 0.8, agree
 
 
+@pytest.mark.parametrize("runs", [False, True], ids=["graph-per-layer", "runs-of-layers"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_decode_cuda_graphs_equal_eager_steps(golden, variant):
-    """The decode steps replayed from CUDA graphs (`DeepseekV41DecoderLayer.decode_step`) give the
-    logits of the same steps run eagerly, and leave the same cache (16 steps, several layers of
-    each kind, the graphs captured at the first step and replayed after)."""
+def test_decode_cuda_graphs_equal_eager_steps(golden, variant, runs):
+    """The decode steps replayed from CUDA graphs (`DeepseekV41DecoderLayer.decode_step`, or with
+    `decode_layer_runs` one graph per run of layers, `decode_layers`) give the logits of the same
+    steps run eagerly, and leave the same cache (16 steps, several layers of each kind, the graphs
+    captured at the first step and replayed after)."""
     from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
 
     model = golden_model(golden, variant, "fast", CUDA)
     tensors = golden_run(golden, variant, "vl", CUDA)
     results = {}
+    model.decode_layer_runs = runs
     for graphs in (False, True):
         for layer in model.layers:
             layer.decode_cuda_graphs = graphs
@@ -266,29 +269,32 @@ def test_decode_cuda_graphs_equal_eager_steps(golden, variant):
                 logits.append(step)
                 token = step.argmax(-1, keepdim=True)
         results[graphs] = (torch.stack(logits), cache)
+    model.decode_layer_runs = False
     for layer in model.layers:
         layer.decode_cuda_graphs = True
-    # every step replays each run of layers between the Engram layers as one graph (the Engram
-    # layers: one graph each, no piecewise head/tail), captured per cache layout and replayed
-    # after: once, twice where a ratio > 1 source is in it (steps that end a group write a row),
-    # twice that where a buffer crossed a bucket during the 16 steps
+    # every step replays one graph per layer, or with runs each run of layers between the Engram
+    # layers as one graph (the Engram layers: one graph each), never the piecewise head/tail;
+    # captured per cache layout and replayed after: once, twice where a ratio > 1 source is in
+    # it (steps that end a group write a row), twice that where a buffer crossed a bucket
     text = model.config.text_config
-    runs, alone = {}, {}
+    run_segments, alone = {}, {}
     for layer in model.layers:
         for name, segment in (layer._decode_segments or {}).items():
-            (runs if name[0] == "run" else alone)[name if name[0] == "run" else layer.layer_idx] = (name, segment)
-    engram = set(text.engram_layer_ids)
-    assert engram and set(alone) == engram, sorted(alone)
+            (run_segments if name[0] == "run" else alone)[name if name[0] == "run" else layer.layer_idx] = (name, segment)
+    # layers with graphs of their own: with runs the Engram layers (they break the runs), else all
+    own_graphs = set(text.engram_layer_ids) if runs else set(range(text.num_hidden_layers))
+    assert own_graphs and set(alone) == own_graphs, sorted(alone)
     assert all(name == "whole" for name, _ in alone.values())
-    in_runs = sorted(i for ids in runs for i in ids[1])
-    assert in_runs == [i for i in range(text.num_hidden_layers) if i not in engram], sorted(runs)
-    for ids, (_, segment) in runs.items():
+    in_runs = sorted(i for ids in run_segments for i in ids[1])
+    assert in_runs == [i for i in range(text.num_hidden_layers) if i not in own_graphs], sorted(run_segments)
+    for ids, (_, segment) in run_segments.items():
         pooled = any(model.layers[i].attn.ratio > 1 and model.layers[i].attn.compressor is not None for i in ids[1])
         assert 1 <= len(segment) <= (2 if pooled else 1) * 2, (ids, len(segment))
-    for i in engram:
-        assert 1 <= len(alone[i][1]) <= 2, (i, len(alone[i][1]))
+    for i in own_graphs:
+        pooled = model.layers[i].attn.ratio > 1 and model.layers[i].attn.compressor is not None
+        assert 1 <= len(alone[i][1]) <= (2 if pooled else 1) * 2, (i, len(alone[i][1]))
     eager, graphed = results[False][0], results[True][0]
-    _METRICS[f"decode_graphs/{variant}"] = {"bitwise": torch.equal(eager, graphed), "rel_l2": rel_l2(graphed, eager)}
+    _METRICS[f"decode_graphs/{variant}/{'runs' if runs else 'per_layer'}"] = {"bitwise": torch.equal(eager, graphed), "rel_l2": rel_l2(graphed, eager)}
     assert rel_l2(graphed, eager) < 1e-5
     assert torch.equal(eager.argmax(-1), graphed.argmax(-1))
     ring_eager = results[False][1].attention.layer(0).window_kv
