@@ -265,7 +265,7 @@ def bench_our_decode(layers, text, prefill, steps, device, gen, graphs: bool) ->
 
 
 # ----------------------------------------------------------------------- transformers V4
-def v4_config(text, layer_type: str, rate: int, experts_impl: str):
+def v4_config(text, layer_type: str, rate: int, experts_impl: str, attn_impl: str = "eager"):
     """A one-layer `DeepseekV4Config` at our widths and expert count."""
     from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
 
@@ -305,7 +305,7 @@ def v4_config(text, layer_type: str, rate: int, experts_impl: str):
         rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
                          "beta_fast": 32, "beta_slow": 1},
     )
-    config._attn_implementation = "eager"  # V4's only attention with the sink
+    config._attn_implementation = attn_impl  # eager: V4's only attention with the sink
     config._experts_implementation = experts_impl
     return config
 
@@ -327,12 +327,12 @@ def init_v4_layer(layer, gen: torch.Generator) -> None:
                 random_normal_(p, gen, 1.0)
 
 
-def build_v4_layer(text, layer_type: str, rate: int, device, gen, experts_impl: str):
+def build_v4_layer(text, layer_type: str, rate: int, device, gen, experts_impl: str, attn_impl: str = "eager"):
     """(config, `DeepseekV4DecoderLayer` with bf16 weights (fp32 norms / mHC / sinks, as V4 keeps
     them), its rotary embedding); raises if transformers has no DeepseekV4."""
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
-    config = v4_config(text, layer_type, rate, experts_impl)
+    config = v4_config(text, layer_type, rate, experts_impl, attn_impl)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -480,7 +480,7 @@ def measure_ours(res: Results, text, device, gen, args, deadline) -> None:
             deadline.log(f"ours: prefill {n}")
             res.ms[n], res.mem[n] = bench_our_prefill(layers, text, n, device, args.reps, gen, deadline)
     for graphs in (True, False):
-        if deadline.left() > 0:
+        if deadline.left() > 0 and not args.skip_decode:
             deadline.log(f"ours: decode ({'graphs' if graphs else 'eager'})")
             cells = bench_our_decode(layers, text, args.decode_prefill, args.decode_steps, device, gen, graphs)
             setattr(res, "dec_graphs" if graphs else "dec_eager", cells)
@@ -493,7 +493,7 @@ def measure_v4_layer(match, text, device, gen, args, deadline) -> tuple[dict, ob
     pre = {n: (SKIPPED, SKIPPED) for n in args.lengths}
     deadline.log(f"V4 {match}: building")
     try:
-        hf = build_v4_layer(text, *match, device, gen, args.hf_experts)
+        hf = build_v4_layer(text, *match, device, gen, args.hf_experts, args.hf_attn)
     except Exception as exc:  # noqa: BLE001
         cell = failure_cell(exc, f"building transformers V4 layer {match}", None)
         return {n: (cell, cell) for n in args.lengths}, cell, "-"
@@ -512,7 +512,7 @@ def measure_v4_layer(match, text, device, gen, args, deadline) -> tuple[dict, ob
         if isinstance(pre[n][0], OutOfMemory):
             oom = (n, pre[n][0])
     dec = SKIPPED
-    if deadline.left() > 0:
+    if deadline.left() > 0 and not args.skip_decode:
         deadline.log(f"V4 {match}: decode")
         dec = bench_v4_decode(hf, text, args.decode_prefill, args.decode_steps, device, gen)
     del hf
@@ -605,7 +605,7 @@ def header_lines(res: Results, text, device, args, deadline) -> list[str]:
         f"attention backend `{resolve_backend(None, device)}`; weights per layer "
         + ", ".join(b if isinstance(b, str) else fmt_gib(b) for b in res.weights) + " GiB",
         "- V4: `DeepseekV4DecoderLayer`, bf16 weights everywhere (routed experts included; fp32 norms, mHC and "
-        "sinks as V4 keeps them), attn_implementation eager (V4's only one with the sink), experts_implementation "
+        f"sinks as V4 keeps them), attn_implementation {args.hf_attn} (eager is V4's only one with the sink), experts_implementation "
         f"{args.hf_experts}; weights per layer {v4_weights}",
         "- matched: widths, expert count and top-k, the layer kinds below; not matched: storage (V4 bf16, ours "
         "fp8/fp4); V4 has no ratio-1 candidate blocks and no cross-layer reuse (rows 20 and 21 both show its CSA "
@@ -657,6 +657,9 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, help="timed prefill repetitions (+1 warm-up; default 3)")
     parser.add_argument("--budget-s", type=float, default=360.0, help="stop measuring after this many seconds")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' DeepseekV4")
+    parser.add_argument("--hf-attn", default="eager",
+                        help="transformers attn_implementation for V4 (default eager, its only one with the sink)")
+    parser.add_argument("--skip-decode", action="store_true", help="measure prefill only")
     parser.add_argument("--hf-experts", default="grouped_mm",
                         help="transformers experts_implementation for V4 (default grouped_mm, as from_pretrained)")
     args = parser.parse_args(argv)
