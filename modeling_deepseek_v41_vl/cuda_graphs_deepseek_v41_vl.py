@@ -13,8 +13,9 @@ steps from CUDA graphs, in one of two ways:
   fixed-shape head (mHC mixes, norms, projections) and tail (output projection, MoE) replayed, the
   cache-dependent middle of the attention run eagerly.
 
-:func:`decode_layers` goes further: the steps of consecutive layers on one GPU replay as one graph
-(one launch per run of layers), planned one after another on the host first.
+With `DeepseekV41Transformer.decode_layer_runs` (off by default), :func:`decode_layers` goes
+further: the steps of consecutive layers on one GPU replay as one graph (one launch per run of
+layers), all planned on the host first.
 
 :class:`GraphedSegment` captures a function of tensors, once per input signature (and layout key),
 into a graph and replays it: the arguments are copied into the graph's static inputs, the graph is
