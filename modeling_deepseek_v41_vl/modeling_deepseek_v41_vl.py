@@ -208,7 +208,8 @@ def _graph_pool(device: torch.device):
         handle = torch.cuda.graph_pool_handle()
         # a pool lives while a graph uses it: once the last one is freed (graphs dropped after
         # `.to()`, or collected when a capture starts), capturing into its handle again fails
-        # inside torch. A one-kernel graph kept here keeps the pool alive.
+        # inside torch. A one-kernel graph kept here keeps the pool alive (so memory the decode
+        # graphs held stays reserved in it for the process's life, `empty_cache()` included).
         with torch.cuda.device(key):
             stream = torch.cuda.Stream()
             keeper, scratch = torch.cuda.CUDAGraph(), torch.zeros(1, device=torch.device("cuda", key))
@@ -413,6 +414,19 @@ class DeepseekV41DecoderLayer(nn.Module):
             return True
         return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
+    def _call_wrapped(self) -> bool:
+        """Whether calling this layer does more than its forward: its own hooks, `compile()`, a
+        replaced `forward`, or accelerate weights swapped in around each call. A run of layers
+        (`decode_layers`) does not call the layer, so such a layer steps alone. accelerate's hook
+        that only moves the inputs to the layer's GPU is no obstacle: a run moves them."""
+        if self._forward_hooks or self._forward_pre_hooks or getattr(self, "_compiled_call_impl", None) is not None:
+            return True
+        hook = getattr(self, "_hf_hook", None)
+        if hook is None:
+            return "forward" in self.__dict__
+        hooks = getattr(hook, "hooks", [hook])
+        return any(getattr(h, "offload", False) for h in hooks)
+
     def _decode_graphs_apply(self, batch: int, device: torch.device, state: DeepseekV41AttentionState) -> bool:
         if not (self.decode_cuda_graphs and device.type == "cuda" and state.start_pos > 0):
             return False
@@ -435,7 +449,7 @@ class DeepseekV41DecoderLayer(nn.Module):
         and with `graphs` whatever keeps :meth:`block` from replaying its step on CUDA."""
         if self.engram is not None or not self._whole_decode_step or self.attn.numerics != "fast":
             return None
-        if state.start_pos == 0 or torch.is_grad_enabled() or self._submodules_hooked():
+        if state.start_pos == 0 or torch.is_grad_enabled() or self._submodules_hooked() or self._call_wrapped():
             return None
         device = self.weight_device
         if graphs and not (
@@ -614,9 +628,12 @@ def decode_layers(
     share a device replayed from one CUDA graph: one launch for the run instead of one per layer,
     so the host's work per layer is only its plan (:meth:`DeepseekV41DecoderLayer.run_plan`).
 
-    A layer that cannot join a run (an Engram layer, hooks, a cache not ready for the fixed-shape
-    step, graphs off for it: see `run_plan`) ends the run before it and takes its own call
-    (``layer(...)``, which may still replay its own graphs). The values are those of calling the
+    A layer that cannot join a run (an Engram layer, hooks on it or its submodules, a cache not
+    ready for the fixed-shape step, graphs off for it: see `run_plan`) ends the run before it and
+    takes its own call (``layer(...)``, which may still replay its own graphs). A run that fails
+    (an out-of-memory error at its capture, say) puts back the host bookkeeping of its layers
+    before the error propagates: the cache is left as layer-by-layer steps failing at that layer
+    would leave it. The values are those of calling the
     layers one by one, bit for bit: a run executes each layer's :meth:`_decode_whole` in order,
     handing top-k indices and candidate blocks from layer to layer inside the graph.
 
@@ -638,25 +655,59 @@ def decode_layers(
         raise DeepseekV41ModelError(f"decode_layers takes one token per row, x [B, 1, hc, D]; got {tuple(x.shape)}")
     if state.start_pos == 0:
         raise DeepseekV41ModelError("decode_layers follows a prefill: state.start_pos is 0")
-    batch, pending = x.size(0), []
-    for layer in layers:
-        plan = layer.run_plan(batch, state, graphs)
-        if pending and (plan is None or layer.weight_device != pending[0][0].weight_device):
+    batch, pending, undo = x.size(0), [], []
+    try:
+        for layer in layers:
+            plan = layer.run_plan(batch, state, graphs)
+            if pending and (plan is None or layer.weight_device != pending[0][0].weight_device):
+                x, pre_mix_in = _replay_run(pending, x, pre_mix_in, state, image_mask, graphs)
+                pending, undo = [], []
+            if plan is None:
+                x, pre_mix_in = layer(x, pre_mix_in, state, image_mask, engram_hash_ids, engram_mask)
+                continue
+            # the host bookkeeping now: the next layers' plans read it (row counts, the publisher)
+            undo.append(_commit_undo(layer, state))
+            layer.attn.decode_commit(plan, state, None, None)
+            if layer.attn.ratio and layer.attn.is_index_source:
+                state.topk_idxs[layer.layer_idx] = _PENDING
+            if layer.attn.indexer is not None and layer.attn.indexer.is_candidate_source:
+                state.candidate_blocks = _PENDING
+            pending.append((layer, plan))
+        if pending:
             x, pre_mix_in = _replay_run(pending, x, pre_mix_in, state, image_mask, graphs)
-            pending = []
-        if plan is None:
-            x, pre_mix_in = layer(x, pre_mix_in, state, image_mask, engram_hash_ids, engram_mask)
-            continue
-        # the host bookkeeping now: the next layers' plans read it (row counts, the publisher)
-        layer.attn.decode_commit(plan, state, None, None)
-        if layer.attn.ratio and layer.attn.is_index_source:
-            state.topk_idxs[layer.layer_idx] = _PENDING
-        if layer.attn.indexer is not None and layer.attn.indexer.is_candidate_source:
-            state.candidate_blocks = _PENDING
-        pending.append((layer, plan))
-    if pending:
-        x, pre_mix_in = _replay_run(pending, x, pre_mix_in, state, image_mask, graphs)
+    except BaseException:
+        # a run that did not complete (out of memory at its capture, say): its layers' bookkeeping
+        # is put back, so the cache holds what the layers before it wrote, as layer-by-layer steps
+        # would leave it
+        for restore in reversed(undo):
+            restore()
+        raise
     return x, pre_mix_in
+
+
+_MISSING = object()
+
+
+def _commit_undo(layer: DeepseekV41DecoderLayer, state: DeepseekV41AttentionState):
+    """A function that puts back what this layer's `decode_commit` and pending hand-downs change
+    on the host: its buffers' row counts, the index-key publisher, the state's hand-downs."""
+    cache = state.cache
+    own = cache.layer(layer.layer_idx)
+    lengths = [(buffer, buffer.length) for buffer in (own.compressed_kv, own.index_k) if buffer is not None]
+    publisher = (cache.index_k_publisher, cache.index_k_publisher_rows)
+    topk, blocks = state.topk_idxs.get(layer.layer_idx, _MISSING), state.candidate_blocks
+
+    def restore() -> None:
+        for buffer, length in lengths:
+            buffer.length = length
+        cache.index_k_publisher, cache.index_k_publisher_rows = publisher
+        if topk is _MISSING:
+            state.topk_idxs.pop(layer.layer_idx, None)
+        else:
+            state.topk_idxs[layer.layer_idx] = topk
+        state.candidate_blocks = blocks
+
+    return restore
 
 
 @dataclass

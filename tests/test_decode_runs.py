@@ -109,6 +109,81 @@ def test_a_hooked_layer_splits_the_run(runs_seen):
     _assert_same_state(run, alone)
 
 
+def test_hooks_on_a_layer_itself_keep_it_out_of_runs(runs_seen):
+    """A run does not call its layers as modules: a layer with hooks of its own (here one that
+    rewrites its input) steps alone, through its hooks, as in the layer-by-layer loop."""
+    text, layers = _layers("fast")
+    prefill = 13
+    x, pre = _inputs(text, 1, prefill + 1, seed=4)
+    calls = []
+    handles = [
+        layers[1].register_forward_pre_hook(lambda m, args: (args[0] * 0.5, *args[1:])),
+        layers[1].register_forward_hook(lambda *a: calls.append("post")),
+    ]
+    try:
+        with torch.no_grad():
+            state = DeepseekV41AttentionState(start_pos=0)
+            for layer in layers:
+                layer.block(x[:, :prefill], pre[:, :prefill], state)
+            run_cache = copy.deepcopy(state.cache)
+            alone = DeepseekV41AttentionState(start_pos=prefill, cache=state.cache)
+            h, m = x[:, prefill:], pre[:, prefill:]
+            for layer in layers:
+                h, m = layer(h, m, alone)
+            run = DeepseekV41AttentionState(start_pos=prefill, cache=run_cache)
+            h_run, m_run = decode_layers(layers, x[:, prefill:], pre[:, prefill:], run, graphs=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert calls == ["post", "post"]
+    assert runs_seen == [(0,), (20, 21)]
+    assert torch.equal(h_run, h) and torch.equal(m_run, m)
+    _assert_same_state(run, alone)
+
+
+def test_a_failed_run_puts_back_its_bookkeeping(monkeypatch):
+    """An error inside a run (an out-of-memory at its capture, say) leaves the cache's row counts,
+    index-key publisher and the state's hand-downs as they were before the run, so the step can be
+    taken again and gives what a clean step gives."""
+    text, layers = _layers("fast")
+    prefill = 13
+    x, pre = _inputs(text, 1, prefill + 1, seed=6)
+    with torch.no_grad():
+        state = DeepseekV41AttentionState(start_pos=0)
+        for layer in layers:
+            layer.block(x[:, :prefill], pre[:, :prefill], state)
+        clean_cache = copy.deepcopy(state.cache)
+        lengths = {i: (c.compressed_kv and c.compressed_kv.length, c.index_k and c.index_k.length) for i, c in state.cache.layers.items()}
+        publisher = state.cache.index_k_publisher
+        original = modeling.DeepseekV41DecoderLayer._decode_whole
+
+        def failing(self, *args):
+            if self.layer_idx == 21:
+                raise RuntimeError("out of memory (simulated)")
+            return original(self, *args)
+
+        step = DeepseekV41AttentionState(start_pos=prefill, cache=state.cache)
+        with monkeypatch.context() as m:
+            m.setattr(modeling.DeepseekV41DecoderLayer, "_decode_whole", failing)
+            with pytest.raises(RuntimeError, match="simulated"):
+                decode_layers(layers, x[:, prefill:], pre[:, prefill:], step, graphs=False)
+        after = {i: (c.compressed_kv and c.compressed_kv.length, c.index_k and c.index_k.length) for i, c in state.cache.layers.items()}
+        assert after == lengths and state.cache.index_k_publisher == publisher
+        assert step.topk_idxs == {} and step.candidate_blocks is None
+        retry = DeepseekV41AttentionState(start_pos=prefill, cache=state.cache)
+        h_run, m_run = decode_layers(layers, x[:, prefill:], pre[:, prefill:], retry, graphs=False)
+        clean = DeepseekV41AttentionState(start_pos=prefill, cache=clean_cache)
+        h, m = x[:, prefill:], pre[:, prefill:]
+        for layer in layers:
+            h, m = layer.block(h, m, clean)
+    assert torch.equal(h_run, h) and torch.equal(m_run, m)
+    _assert_same_state(retry, clean)
+    a, b = _cache_tensors(state.cache), _cache_tensors(clean_cache)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_runs_are_off_by_default_and_the_switch_takes_bools_only(golden):
     model = golden_model(golden, "model_tiny_fp8", "fast")
     assert model.decode_layer_runs is False

@@ -63,7 +63,8 @@ def resolve_backend(
 
 
 def on_input_device(fn):
-    """Decorator: run `fn` with the GPU of its first tensor argument as the current CUDA device.
+    """Decorator: run `fn` with the GPU of its first positional tensor argument as the current
+    CUDA device (the decorated ops take their main tensor positionally, before any other).
 
     Triton launches a kernel on the current device's current stream, not on its tensors' device:
     for tensors on another GPU (a layer placed there by a device_map, called outside its own
