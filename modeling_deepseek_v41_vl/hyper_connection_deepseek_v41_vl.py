@@ -192,6 +192,10 @@ class DeepseekV41HyperConnection(nn.Module):
     def post(self, f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """Expand and mix: out[j] = post[j]·f + Σ_i comb[i][j]·residual[i]. Mirrors `Block.hc_post`.
 
+        The reference's fp32 product ``[B, S, N, N, D]`` takes 5 GiB at 16K tokens of width 5120;
+        long inputs are therefore computed in slices of positions, each with the reference's
+        ops (the same values: every output element depends on its own position only).
+
         Args:
             f: sublayer output `[B, S, D]`; residual: `[B, S, N, D]`; post: fp32 `[B, S, N]`;
                 comb: fp32 `[B, S, N, N]` (first index = source copy).
@@ -200,14 +204,30 @@ class DeepseekV41HyperConnection(nn.Module):
             `[B, S, N, D]` in `f.dtype` (computed in fp32).
         """
         self._check_stream(residual, "residual")
-        mixed = torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=2)
-        return (post.unsqueeze(-1) * f.unsqueeze(-2) + mixed).type_as(f)
+        batch, seq, n, dim = residual.shape
+        step = max(1, POST_SLICE_BYTES // (batch * n * n * dim * 4))
+        if seq <= step:
+            return _post(f, residual, post, comb)
+        out = torch.empty(residual.shape, dtype=f.dtype, device=residual.device)
+        for start in range(0, seq, step):
+            rows = slice(start, start + step)
+            out[:, rows] = _post(f[:, rows], residual[:, rows], post[:, rows], comb[:, rows])
+        return out
 
     def extra_repr(self) -> str:
         return (
             f"hc_mult={self.hc_mult}, sinkhorn_iters={self.sinkhorn_iters}, hc_eps={self.hc_eps}, "
             f"numerics={self.numerics}"
         )
+
+
+# bound on the fp32 product ``[B, rows, N, N, D]`` of one slice of `post`
+POST_SLICE_BYTES = 256 << 20
+
+
+def _post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    mixed = torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=2)
+    return (post.unsqueeze(-1) * f.unsqueeze(-2) + mixed).type_as(f)
 
 
 def identity_pre_mix(x: torch.Tensor, hc_mult: int) -> torch.Tensor:

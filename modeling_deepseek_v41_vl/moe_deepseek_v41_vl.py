@@ -204,6 +204,10 @@ class DeepseekV41Expert(nn.Module):
         return self.w2(hidden.to(x.dtype))
 
 
+# bound on the fp32 copy of the expert outputs one `index_add_` adds (`_routed_grouped`)
+INDEX_ADD_SLICE_BYTES = 256 << 20
+
+
 class DeepseekV41MoE(nn.Module):
     """Routed experts + one shared expert. Mirrors `inference/model.py: MoE.forward`.
 
@@ -284,7 +288,12 @@ class DeepseekV41MoE(nn.Module):
                 y_sorted[start:end] = self.experts[e](x_sorted[start:end], w_sorted[start:end])
                 start = end
         out = torch.zeros_like(x, dtype=torch.float32)
-        return out.index_add_(0, rows, y_sorted.float())
+        # in slices: an fp32 copy of all T x top-k rows would take 1.9 GiB at 16K tokens; the
+        # rows are added in the same order either way
+        step = max(1, INDEX_ADD_SLICE_BYTES // (4 * x.size(1)))
+        for start in range(0, y_sorted.size(0), step):
+            out.index_add_(0, rows[start : start + step], y_sorted[start : start + step].float())
+        return out
 
     def runs_without_host_sync(self, rows: int, device: torch.device) -> bool:
         """True when a forward of `rows` bf16 token rows on `device` takes the expert kernels' path,

@@ -102,6 +102,27 @@ def test_post_mixes_over_the_source_copy_index():
     assert not torch.equal(out, transposed)
 
 
+@pytest.mark.parametrize("rows_per_slice", [1, 3, 36, 37])
+def test_post_in_slices_of_positions_equals_one_pass(monkeypatch, rows_per_slice):
+    """Long inputs run `post` in slices of positions (the fp32 [B, S, N, N, D] product would take
+    5 GiB at 16K tokens): the same values, bit for bit."""
+    from deepseek_v41_vl.modeling import hyper_connection_deepseek_v41_vl as hc_module
+
+    gen = torch.Generator().manual_seed(5)
+    b, s, d = 2, 37, 24
+    f = torch.randn(b, s, d, generator=gen).bfloat16()
+    residual = torch.randn(b, s, HC, d, generator=gen).bfloat16()
+    post, comb = torch.rand(b, s, HC, generator=gen), torch.rand(b, s, HC, HC, generator=gen)
+    whole = _hc().post(f, residual, post, comb)
+    monkeypatch.setattr(hc_module, "POST_SLICE_BYTES", rows_per_slice * b * HC * HC * d * 4)
+    calls = []
+    original = hc_module._post
+    monkeypatch.setattr(hc_module, "_post", lambda *a: calls.append(a[1].size(1)) or original(*a))
+    sliced = _hc().post(f, residual, post, comb)
+    assert calls == [min(rows_per_slice, s - i) for i in range(0, s, rows_per_slice)]
+    assert sliced.dtype == whole.dtype and torch.equal(sliced, whole)
+
+
 def test_identity_pre_mix_collapses_to_copy_zero():
     torch.manual_seed(3)
     x = torch.randn(2, 5, HC, 16).bfloat16()

@@ -181,7 +181,8 @@ def test_grouped_combine_equals_expert_loop(golden):
 
 
 @torch.inference_mode()
-def test_routed_sum_runs_in_ascending_expert_order(golden):
+@pytest.mark.parametrize("slice_rows", [None, 1, 5], ids=["one-pass", "slices-of-1", "slices-of-5"])
+def test_routed_sum_runs_in_ascending_expert_order(golden, monkeypatch, slice_rows):
     # top-2 sums are order-free (0 + a + b == 0 + b + a), so the golden cannot see the order; with
     # top-6 it matters. Reference order: experts ascending, each expert's rows in (token, slot)
     # order, added into an fp32 zero accumulator.
@@ -213,6 +214,11 @@ def test_routed_sum_runs_in_ascending_expert_order(golden):
 
     ascending = summed(range(16))
     assert not torch.equal(ascending, summed(reversed(range(16))))  # the order is observable here
+    if slice_rows is not None:
+        # the grouped path adds the expert outputs in slices of rows (bounded fp32 copies)
+        from deepseek_v41_vl.modeling import moe_deepseek_v41_vl as moe_module
+
+        monkeypatch.setattr(moe_module, "INDEX_ADD_SLICE_BYTES", slice_rows * 4 * cfg.hidden_size)
     assert torch.equal(moe._routed_exact(x, weights, indices), ascending)
     assert torch.equal(moe._routed_grouped(x, weights, indices), ascending)
 
