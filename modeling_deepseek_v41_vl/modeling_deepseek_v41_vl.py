@@ -421,10 +421,14 @@ class DeepseekV41DecoderLayer(nn.Module):
         that only moves the inputs to the layer's GPU is no obstacle: a run moves them."""
         if self._forward_hooks or self._forward_pre_hooks or getattr(self, "_compiled_call_impl", None) is not None:
             return True
-        hook = getattr(self, "_hf_hook", None)
-        if hook is None:
+        if getattr(self, "_hf_hook", None) is None:
             return "forward" in self.__dict__
-        hooks = getattr(hook, "hooks", [hook])
+        return self._offloaded()
+
+    def _offloaded(self) -> bool:
+        """Whether accelerate swaps this layer's weights in and out around each call (offload)."""
+        hook = getattr(self, "_hf_hook", None)
+        hooks = getattr(hook, "hooks", [hook]) if hook is not None else []
         return any(getattr(h, "offload", False) for h in hooks)
 
     def _decode_graphs_apply(self, batch: int, device: torch.device, state: DeepseekV41AttentionState) -> bool:
@@ -438,9 +442,7 @@ class DeepseekV41DecoderLayer(nn.Module):
             return False  # e.g. a batch past the expert kernels' size: the MoE reads counts on the host
         # accelerate's offloading hooks swap the weights in and out around each forward: a graph
         # would keep reading the addresses of the first load
-        hook = getattr(self, "_hf_hook", None)
-        hooks = getattr(hook, "hooks", [hook]) if hook is not None else []
-        return not any(getattr(h, "offload", False) for h in hooks)
+        return not self._offloaded()
 
     def run_plan(self, batch: int, state: DeepseekV41AttentionState, graphs: bool) -> DecodePlan | None:
         """This layer's plan (:meth:`DeepseekV41Attention.decode_plan`) when its one-token step can
@@ -630,12 +632,12 @@ def decode_layers(
 
     A layer that cannot join a run (an Engram layer, hooks on it or its submodules, a cache not
     ready for the fixed-shape step, graphs off for it: see `run_plan`) ends the run before it and
-    takes its own call (``layer(...)``, which may still replay its own graphs). A run that fails
-    (an out-of-memory error at its capture, say) puts back the host bookkeeping of its layers
-    before the error propagates: the cache is left as layer-by-layer steps failing at that layer
-    would leave it. The values are those of calling the
-    layers one by one, bit for bit: a run executes each layer's :meth:`_decode_whole` in order,
-    handing top-k indices and candidate blocks from layer to layer inside the graph.
+    takes its own call (``layer(...)``, which may still replay its own graphs). The values are
+    those of calling the layers one by one, bit for bit: a run executes each layer's
+    :meth:`_decode_whole` in order, handing top-k indices and candidate blocks from layer to layer
+    inside the graph. A run that fails (an out-of-memory error at its capture, say) puts back the
+    host bookkeeping of its layers before the error propagates: the cache is left as layer-by-layer
+    steps failing at that layer would leave it.
 
     Args:
         layers: consecutive decoder layers (a model's `layers`, or a slice of them).

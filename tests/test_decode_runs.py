@@ -82,28 +82,36 @@ def test_a_run_equals_the_layers_one_by_one(prefill, runs_seen):
         assert runs_seen[0] == (0,), runs_seen
 
 
+def _one_step_both_ways(layers, x, pre, prefill: int, call):
+    """Prefill `prefill` tokens, then the next token twice from copies of that cache: the layers
+    one by one through `call(layer, h, m, state)`, and `decode_layers` (eager). Returns
+    ``((h, m, state) one by one, (h, m, state) of the run)``."""
+    with torch.no_grad():
+        state = DeepseekV41AttentionState(start_pos=0)
+        for layer in layers:
+            layer.block(x[:, :prefill], pre[:, :prefill], state)
+        run_cache = copy.deepcopy(state.cache)
+        alone = DeepseekV41AttentionState(start_pos=prefill, cache=state.cache)
+        h, m = x[:, prefill : prefill + 1], pre[:, prefill : prefill + 1]
+        for layer in layers:
+            h, m = call(layer, h, m, alone)
+        run = DeepseekV41AttentionState(start_pos=prefill, cache=run_cache)
+        h_run, m_run = decode_layers(layers, x[:, prefill : prefill + 1], pre[:, prefill : prefill + 1], run, graphs=False)
+    return (h, m, alone), (h_run, m_run, run)
+
+
 def test_a_hooked_layer_splits_the_run(runs_seen):
     text, layers = _layers("fast")
-    prefill = 13
-    x, pre = _inputs(text, 1, prefill + 1, seed=9)
+    x, pre = _inputs(text, 1, 14, seed=9)
     calls = []
     handle = layers[1].attn.register_forward_hook(lambda *a: calls.append(1))
     try:
-        with torch.no_grad():
-            state = DeepseekV41AttentionState(start_pos=0)
-            for layer in layers:
-                layer.block(x[:, :prefill], pre[:, :prefill], state)
-            run_cache = copy.deepcopy(state.cache)
-            alone = DeepseekV41AttentionState(start_pos=prefill, cache=state.cache)
-            h, m = x[:, prefill:], pre[:, prefill:]
-            for layer in layers:
-                h, m = layer.block(h, m, alone)
-            calls.clear()
-            run = DeepseekV41AttentionState(start_pos=prefill, cache=run_cache)
-            h_run, m_run = decode_layers(layers, x[:, prefill:], pre[:, prefill:], run, graphs=False)
+        (h, m, alone), (h_run, m_run, run) = _one_step_both_ways(
+            layers, x, pre, 13, lambda layer, h, m, state: layer.block(h, m, state)
+        )
     finally:
         handle.remove()
-    assert calls == [1]  # the hooked layer ran as a module
+    assert calls == [1, 1, 1]  # the hooked attention ran as a module: prefill, one by one, decode_layers
     assert runs_seen == [(0,), (20, 21)]
     assert torch.equal(h_run, h) and torch.equal(m_run, m)
     _assert_same_state(run, alone)
@@ -113,25 +121,16 @@ def test_hooks_on_a_layer_itself_keep_it_out_of_runs(runs_seen):
     """A run does not call its layers as modules: a layer with hooks of its own (here one that
     rewrites its input) steps alone, through its hooks, as in the layer-by-layer loop."""
     text, layers = _layers("fast")
-    prefill = 13
-    x, pre = _inputs(text, 1, prefill + 1, seed=4)
+    x, pre = _inputs(text, 1, 14, seed=4)
     calls = []
     handles = [
         layers[1].register_forward_pre_hook(lambda m, args: (args[0] * 0.5, *args[1:])),
         layers[1].register_forward_hook(lambda *a: calls.append("post")),
     ]
     try:
-        with torch.no_grad():
-            state = DeepseekV41AttentionState(start_pos=0)
-            for layer in layers:
-                layer.block(x[:, :prefill], pre[:, :prefill], state)
-            run_cache = copy.deepcopy(state.cache)
-            alone = DeepseekV41AttentionState(start_pos=prefill, cache=state.cache)
-            h, m = x[:, prefill:], pre[:, prefill:]
-            for layer in layers:
-                h, m = layer(h, m, alone)
-            run = DeepseekV41AttentionState(start_pos=prefill, cache=run_cache)
-            h_run, m_run = decode_layers(layers, x[:, prefill:], pre[:, prefill:], run, graphs=False)
+        (h, m, alone), (h_run, m_run, run) = _one_step_both_ways(
+            layers, x, pre, 13, lambda layer, h, m, state: layer(h, m, state)
+        )
     finally:
         for handle in handles:
             handle.remove()
