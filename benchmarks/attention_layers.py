@@ -52,9 +52,11 @@ from pathlib import Path
 
 import torch
 
-from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41Attention, DeepseekV41AttentionState
+from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41Attention
+from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41TextConfig
 from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import DeepseekV41Linear
+from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import DeepseekV41Numerics
 from deepseek_v41_vl.triton_ops.sparse_attention import resolve_backend
 
 ROLES = [
@@ -180,10 +182,11 @@ def build_our_layers(dims: dict, device: torch.device, backend: str) -> tuple[De
         **dims,
     )
     gen = torch.Generator(device=device).manual_seed(0)
+    plan = DeepseekV41Numerics.resolve("fast", sparse_attention=backend)
     layers = []
     with torch.device(device):
         for i in range(config.num_hidden_layers):
-            layer = DeepseekV41Attention(config, i, "fp8").eval()
+            layer = DeepseekV41Attention(config, i, plan).eval()
             for module in layer.modules():
                 if isinstance(module, DeepseekV41Linear):
                     init_linear(module, gen)
@@ -191,7 +194,6 @@ def build_our_layers(dims: dict, device: torch.device, backend: str) -> tuple[De
                 if name.endswith("norm.weight"):
                     param.data.fill_(1.0)
             layer.attn_sink.data.normal_(generator=gen)
-            layer.attention_backend = backend
             layers.append(layer)
     return config, layers
 

@@ -335,7 +335,7 @@ def _attention_forward_4d(self, hidden_states, cos, sin):
 
     n = hidden_states.shape[0]
     q, k, v = (t.view(n, self.num_heads, self.head_dim) for t in self.wqkv(hidden_states).chunk(3, dim=-1))
-    q, k = apply_vision_rope(q, k, cos, sin, backend=self.rope_backend)
+    q, k = apply_vision_rope(q, k, cos, sin, backend=self.numerics.backend("vision_rope", q.device))
     out = F.scaled_dot_product_attention(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)))
     return self.wo(out.squeeze(0).transpose(0, 1).reshape(n, -1))
 
@@ -402,7 +402,11 @@ def kernel_breakdown(fn, device, top: int = 8) -> tuple[str, list]:
 
 def section_vision(device, quick, results) -> str:
     from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41VisionConfig
-    from deepseek_v41_vl.modeling.vision_deepseek_v41_vl import DeepseekV41VisionAttention, DeepseekV41VisionTower
+    from deepseek_v41_vl.modeling.vision_deepseek_v41_vl import (
+        DeepseekV41VisionAligner,
+        DeepseekV41VisionAttention,
+        DeepseekV41VisionTransformer,
+    )
 
     if quick:
         config = DeepseekV41VisionConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
@@ -415,10 +419,15 @@ def section_vision(device, quick, results) -> str:
     torch.set_default_dtype(torch.bfloat16)  # as the reference builds it: bf16 linears, fp32 norms
     try:
         with torch.device(device):
-            tower = DeepseekV41VisionTower(config).eval()
+            vit = DeepseekV41VisionTransformer(config).eval()
+            aligner = DeepseekV41VisionAligner(config).eval()
     finally:
         torch.set_default_dtype(previous)
-    attn_modules = [m for m in tower.modules() if isinstance(m, DeepseekV41VisionAttention)]
+
+    def tower(pixel_values, grid):  # the model's image path: ViT, then aligner
+        return aligner(vit(pixel_values, grid), grid)
+
+    attn_modules = [m for m in vit.modules() if isinstance(m, DeepseekV41VisionAttention)]
     matmul = results.get("matmul_tflops")
     backend = _sdpa_backend_of(attn_modules[0], grids[0][0] * grids[0][1], device)
     rows, out = [], []
@@ -464,8 +473,8 @@ def section_vision(device, quick, results) -> str:
     out.append(table(["variant", "image (patches)", "ms", "images/s", "TFLOP", "TFLOP/s", "of bf16 matmul rate",
                       "reference ms", "reference / ours"], rows))
     out.append(
-        f"\nRandom weights, bf16 linears, fp32 RMSNorm weights, batch of one image, `DeepseekV41VisionTower` "
-        f"(ViT + aligner). TFLOP counts the matmuls (projections, QK^T, PV, stem, aligner). "
+        f"\nRandom weights, bf16 linears, fp32 RMSNorm weights, batch of one image, `DeepseekV41VisionTransformer` + "
+        f"`DeepseekV41VisionAligner`. TFLOP counts the matmuls (projections, QK^T, PV, stem, aligner). "
         f"SDPA kernel the shipped attention reaches in bf16: **{backend}**. "
         f"'4-D SDPA input' is the same module with q, k, v passed as [1, H, N, hd] (benchmark-only "
         f"override, rel L2 to the shipped output {agreement:.1e}).\n"
@@ -505,10 +514,10 @@ def _init_layer(layer, gen) -> None:
 
 
 def section_layers(device, quick, results) -> str:
-    from deepseek_v41_vl.conversion.checkpoint_names import official_inventory, tensor_nbytes
-    from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41AttentionState
+    from deepseek_v41_vl.modeling.checkpoint_names_deepseek_v41_vl import official_inventory, tensor_nbytes
+    from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState
     from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
-    from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import DeepseekV41DecoderLayer
+    from deepseek_v41_vl.modeling.decoder_layer_deepseek_v41_vl import DeepseekV41DecoderLayer
 
     released = json.loads((REPO / "configs" / "deepseek_v41_flash.json").read_text())
     kinds = LAYER_KINDS
@@ -542,7 +551,7 @@ def section_layers(device, quick, results) -> str:
                      allocated / checkpoint if device.type == "cuda" else params / checkpoint])
     out = [table(["layer", "checkpoint GiB", "parameters GiB", "buffers MiB", "CUDA allocated GiB", "allocated / checkpoint"], rows)]
     out.append(
-        "\nCheckpoint bytes: `conversion.checkpoint_names.official_inventory` of the released config "
+        "\nCheckpoint bytes: `modeling.checkpoint_names_deepseek_v41_vl.official_inventory` of the released config "
         "(fp8 linears + e8m0 32x32 scales, fp4 experts + e8m0 1x32 scales). The modules keep that "
         "storage; the extra bytes are `wo_a` dequantized to bf16 and the ratio-2 compressor in fp32 "
         "(the reference's module dtypes).\n"

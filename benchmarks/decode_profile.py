@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decoder_layers import init_our_layer  # noqa: E402
 
-from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41AttentionState  # noqa: E402
+from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState  # noqa: E402
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config  # noqa: E402
-from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import DeepseekV41DecoderLayer  # noqa: E402
+from deepseek_v41_vl.modeling.decoder_layer_deepseek_v41_vl import DeepseekV41DecoderLayer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 LAYER_IDS = (0, 2, 20, 21)

@@ -52,9 +52,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_layers import Timer, describe_failure, fmt_len, markdown, peak_memory, release  # noqa: E402
 
-from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41AttentionState  # noqa: E402
+from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState  # noqa: E402
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config  # noqa: E402
-from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import DeepseekV41DecoderLayer  # noqa: E402
+from deepseek_v41_vl.modeling.decoder_layer_deepseek_v41_vl import DeepseekV41DecoderLayer  # noqa: E402
 from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import DeepseekV41Linear  # noqa: E402
 from deepseek_v41_vl.triton_ops.sparse_attention import resolve_backend  # noqa: E402
 

@@ -3,8 +3,8 @@
 ``bundle_remote_code(dst)`` makes `dst` loadable with ``trust_remote_code=True``:
 
 1. It starts from the modules that ``auto_map`` names (:data:`AUTO_MAP`; an entry is written only
-   when its module exists and defines the class) plus `conversion/load_time.py` (the load-time
-   transform of ``--link`` folders), and follows their relative imports to the closure.
+   when its module exists and defines the class) and follows their relative imports to the
+   closure (the model's own modules include the load-time transform of ``--link`` folders).
 2. Each module of the closure is copied FLAT into `dst` (``dst/<module>.py``). Module names must be
    unique across the source folders ``modeling_deepseek_v41_vl/``, ``processing/``, ``triton_ops/``
    and ``conversion/``.
@@ -28,7 +28,7 @@ import json
 import re
 from pathlib import Path
 
-from .checkpoint_names import DeepseekV41ConversionError
+from ..modeling.checkpoint_names_deepseek_v41_vl import DeepseekV41ConversionError
 
 # The package folders the bundle draws from: import name under `deepseek_v41_vl` -> subpackage.
 FOLDERS = ("modeling", "processing", "triton_ops", "conversion")
@@ -42,7 +42,6 @@ AUTO_MAP = {
     "AutoProcessor": "processing_deepseek_v41_vl.DeepseekV41Processor",
     "AutoImageProcessor": "image_processing_deepseek_v41_vl.DeepseekV41ImageProcessor",
 }
-ALWAYS_BUNDLED = ("load_time",)
 _PROCESSOR_AUTO = ("AutoProcessor", "AutoImageProcessor", "AutoModelForImageTextToText")
 _PROCESSOR_FILES = {
     "preprocessor_config.json": ("AutoImageProcessor", "AutoProcessor"),
@@ -163,8 +162,34 @@ def bundle_remote_code(dst: str | Path, folders: dict[str, Path] | None = None) 
             entries.pop(auto, None)
     if "AutoConfig" not in entries:
         raise DeepseekV41BundleError("the configuration module (configuration_deepseek_v41_vl.DeepseekV41Config) is missing")
-    roots = [ref for ref, _ in entries.values()]
-    roots += [(key, name) for (key, name) in modules if name in ALWAYS_BUNDLED]
+    files = _copy_flat(dst, [ref for ref, _ in entries.values()], modules)
+    auto_map = {auto: target for auto, (_, target) in entries.items()}
+    _add_auto_map(config_path, auto_map)
+    _add_processor_auto_map(dst, auto_map)
+    return {"files": files, "auto_map": auto_map}
+
+
+def bundle_processor_code(
+    dst: str | Path, auto_classes: tuple[str, ...] = ("AutoProcessor", "AutoImageProcessor"), folders: dict[str, Path] | None = None
+) -> dict:
+    """The processor's part of :func:`bundle_remote_code`, for a folder a processor or image
+    processor was saved to (``config.json`` not needed): copies the modules of `auto_classes`
+    (some of ``AutoProcessor``, ``AutoImageProcessor``) and their closure flat, and writes their
+    ``auto_map`` into the processor files present. Returns and raises as :func:`bundle_remote_code`
+    (also for an auto class that is not a processor's)."""
+    unknown = sorted(set(auto_classes) - {"AutoProcessor", "AutoImageProcessor"})
+    if unknown:
+        raise DeepseekV41BundleError(f"not processor auto classes: {unknown}")
+    dst = Path(dst)
+    modules = _module_index(folders or source_folders())
+    entries = {auto: entry for auto, entry in _entry_points(modules).items() if auto in auto_classes}
+    files = _copy_flat(dst, [ref for ref, _ in entries.values()], modules)
+    auto_map = {auto: target for auto, (_, target) in entries.items()}
+    _add_processor_auto_map(dst, auto_map)
+    return {"files": files, "auto_map": auto_map}
+
+
+def _copy_flat(dst: Path, roots: list[tuple[str, str]], modules: dict[tuple[str, str], Path]) -> list[str]:
     closure = _closure(roots, modules)
     names = [name for _, name in closure]
     clashes = sorted({n for n in names if names.count(n) > 1})
@@ -178,12 +203,13 @@ def bundle_remote_code(dst: str | Path, folders: dict[str, Path] | None = None) 
             raise DeepseekV41BundleError(f"{modules[ref]}:{left[0].lineno}: a parent-relative import the rewrite rule does not cover")
         (dst / f"{ref[1]}.py").write_text(text, encoding="utf-8")
         files.append(f"{ref[1]}.py")
-    auto_map = {auto: target for auto, (_, target) in entries.items()}
-    _add_auto_map(config_path, auto_map)
+    return files
+
+
+def _add_processor_auto_map(dst: Path, auto_map: dict) -> None:
     for file, keys in _PROCESSOR_FILES.items():
         if (dst / file).is_file():
             _add_auto_map(dst / file, {k: auto_map[k] for k in keys if k in auto_map})
-    return {"files": files, "auto_map": auto_map}
 
 
 def _add_auto_map(path: Path, auto_map: dict) -> None:
@@ -195,4 +221,4 @@ def _add_auto_map(path: Path, auto_map: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-__all__ = ["AUTO_MAP", "DeepseekV41BundleError", "bundle_remote_code", "rewrite_imports", "source_folders"]
+__all__ = ["AUTO_MAP", "DeepseekV41BundleError", "bundle_processor_code", "bundle_remote_code", "rewrite_imports", "source_folders"]

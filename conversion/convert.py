@@ -4,7 +4,7 @@
 
 - ``config.json``: the nested config, ``text_config.weight_dtype`` / ``expert_weight_dtype`` set
   to what the folder stores, no transformers ``quantization_config``, ``auto_map`` (remote code);
-- the weights: ``model.`` + official names, in module dtypes (see `checkpoint_names.py` for the
+- the weights: ``model.`` + official names, in module dtypes (see `checkpoint_names_deepseek_v41_vl.py` for the
   operations), plus ``model.engram_hash.token_map`` (int64 ``[vocab]``, the compressed Engram map
   of the source tokenizer); one ``model.safetensors`` or ``model-0000k-of-0000n.safetensors``
   shards with ``model.safetensors.index.json``;
@@ -20,7 +20,7 @@ Modes:
 - ``dtype="bf16"``: fp8 linears and fp4 experts are dequantized to bf16 (exact); Engram tables
   stay fp8;
 - ``link=True``: no tensor is written; the source shards are symlinked and the index names the
-  official tensors (``metadata.layout == "official"``): the model applies `load_time.convert_tensor`
+  official tensors (``metadata.layout == "official"``): the model applies `state_dict_adapter_deepseek_v41_vl.convert_tensor`
   while loading. The token map goes to ``engram_token_map.safetensors``;
 - ``text_only=True``: vision weights are dropped and the config's vision tower has 0 layers.
 
@@ -49,7 +49,7 @@ from pathlib import Path
 
 from ..modeling.configuration_deepseek_v41_vl import DeepseekV41Config
 from .bundle import bundle_remote_code
-from .checkpoint_names import (
+from ..modeling.checkpoint_names_deepseek_v41_vl import (
     TOKEN_MAP_NAME,
     DeepseekV41ConversionError,
     TensorPlan,
@@ -236,7 +236,7 @@ def _link_weights(tmp: Path, source: SourceCheckpoint, token_map) -> tuple[list[
         "metadata": {
             "total_size": source.total_bytes,
             "layout": "official",
-            "transform": "load_time.convert_tensor: official name + tensor -> model name + tensor",
+            "transform": "state_dict_adapter_deepseek_v41_vl.convert_tensor: official name + tensor -> model name + tensor",
         },
         "weight_map": dict(sorted(weight_map.items(), key=lambda kv: _natural_key(kv[0]))),
     }

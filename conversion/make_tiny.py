@@ -3,7 +3,7 @@
 The folder looks like the released one, only tiny:
 
 - ``model-0000k-of-0000n.safetensors`` shards + ``model.safetensors.index.json``, with the official
-  names and stored dtypes of :func:`checkpoint_names.official_inventory`: fp8 variant = F8_E4M3
+  names and stored dtypes of :func:`checkpoint_names_deepseek_v41_vl.official_inventory`: fp8 variant = F8_E4M3
   linears with F8_E8M0 power-of-two 32x32 block scales, routed experts packed fp4 (I8, even element
   in the low nibble) with F8_E8M0 per-32 scales; bf16 variant = BF16 linears and experts. Engram
   tables are F8_E4M3 + F8_E8M0 per-32 row scales in both;
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from ..modeling.quantization_deepseek_v41_vl import act_quant, cast_to_e4m3, quant_fp4, round_scale_pow2
-from .checkpoint_names import BLOCK, DeepseekV41ConversionError, official_inventory
+from ..modeling.checkpoint_names_deepseek_v41_vl import BLOCK, DeepseekV41ConversionError, official_inventory
 from .convert import _move_into_place
 from .safetensors_io import SafetensorsWriter
 
@@ -250,7 +250,7 @@ def _natural_key(name: str) -> list:
 
 def write_shards(root: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[str]:
     """Write `tensors` as size-capped shards + ``model.safetensors.index.json`` (always an index)."""
-    from .load_time import TORCH_TO_SAFETENSORS
+    from ..modeling.state_dict_adapter_deepseek_v41_vl import TORCH_TO_SAFETENSORS
 
     names = sorted(tensors, key=_natural_key)
     groups: list[list[str]] = [[]]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from .checkpoint_names import DTYPE_SIZES, DeepseekV41ConversionError, tensor_nbytes
+from ..modeling.checkpoint_names_deepseek_v41_vl import DTYPE_SIZES, DeepseekV41ConversionError, tensor_nbytes
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library refuses larger headers too
 _ALIGN = 8  # the data buffer starts 8-byte aligned (header padded with spaces)

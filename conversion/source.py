@@ -11,7 +11,7 @@ Accepted layouts:
 - tokenizer: ``tokenizer.json`` (required: the converted folder ships it and the Engram token map
   is computed from it) and optionally ``tokenizer_config.json``.
 
-:func:`load_source` checks every header against :func:`checkpoint_names.official_inventory` of the
+:func:`load_source` checks every header against :func:`checkpoint_names_deepseek_v41_vl.official_inventory` of the
 config and raises :class:`DeepseekV41ConversionError` naming the first class of problem found.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..modeling.configuration_deepseek_v41_vl import DeepseekV41Config
-from .checkpoint_names import DeepseekV41ConversionError, official_inventory
+from ..modeling.checkpoint_names_deepseek_v41_vl import DeepseekV41ConversionError, official_inventory
 from .safetensors_io import Header, read_header
 
 INDEX_FILE = "model.safetensors.index.json"

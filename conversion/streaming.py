@@ -8,7 +8,7 @@ stays under ``max_slice_bytes``:
   (whole rows when 32 of them fit, otherwise column bands written row by row).
 
 :func:`write_tensor` computes tiles with its own lean in-place arithmetic; :func:`verify_tensor`
-re-reads the written bytes and compares them, bit for bit, with `load_time.apply_plan` (the
+re-reads the written bytes and compares them, bit for bit, with `state_dict_adapter_deepseek_v41_vl.apply_plan` (the
 documented transform, built on the model's dequantizers) applied to the same source tiles.
 """
 
@@ -19,8 +19,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from .checkpoint_names import BLOCK, DTYPE_SIZES, DeepseekV41ConversionError, TensorPlan
-from .load_time import SAFETENSORS_TO_TORCH, apply_plan
+from ..modeling.checkpoint_names_deepseek_v41_vl import BLOCK, DTYPE_SIZES, DeepseekV41ConversionError, TensorPlan
+from ..modeling.state_dict_adapter_deepseek_v41_vl import SAFETENSORS_TO_TORCH, apply_plan
 from .safetensors_io import SafetensorsReader, SafetensorsWriter
 
 # Working bytes per OUTPUT element (source + temporaries + result), conservative.
@@ -193,7 +193,7 @@ def write_tensor(plan: TensorPlan, source: SourceAccess, writer: SafetensorsWrit
 
 def verify_tensor(plan: TensorPlan, source: SourceAccess, written: SafetensorsReader, budget: int, progress: Callable[[int], None]) -> None:
     """Re-read `plan.target` from the written file and compare it bitwise with
-    `load_time.apply_plan` of the source, tile by tile.
+    `state_dict_adapter_deepseek_v41_vl.apply_plan` of the source, tile by tile.
 
     Raises:
         DeepseekV41ConversionError: header mismatch or the first differing tile.

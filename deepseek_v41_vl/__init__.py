@@ -8,7 +8,9 @@ Importing the package registers the classes with transformers' Auto classes (mod
 ``deepseek_v41``), so a converted folder loads without ``trust_remote_code``:
 `AutoConfig`, `AutoModel` (:class:`DeepseekV41Model`), `AutoModelForImageTextToText`
 (:class:`DeepseekV41ForConditionalGeneration`), `AutoModelForCausalLM`
-(:class:`DeepseekV41ForCausalLM`), `AutoProcessor` / `AutoImageProcessor`.
+(:class:`DeepseekV41ForCausalLM`), `AutoProcessor` / `AutoImageProcessor`. It also hands the
+model and the processors their remote-code writers (`conversion/bundle.py`), so `save_pretrained`
+writes a folder that loads with or without this package (neither imports `conversion`).
 """
 
 import importlib
@@ -37,6 +39,12 @@ def register_auto_classes() -> None:
     AutoModel.register(DeepseekV41Config, DeepseekV41Model, exist_ok=True)
     AutoModelForImageTextToText.register(DeepseekV41Config, DeepseekV41ForConditionalGeneration, exist_ok=True)
     AutoModelForCausalLM.register(DeepseekV41Config, DeepseekV41ForCausalLM, exist_ok=True)
+    from .conversion.bundle import bundle_processor_code, bundle_remote_code
+    from .modeling.loading_deepseek_v41_vl import DeepseekV41LoadingMixin
+    from .processing.remote_code_deepseek_v41_vl import ProcessorSaveMixin
+
+    DeepseekV41LoadingMixin.remote_code_writer = staticmethod(bundle_remote_code)
+    ProcessorSaveMixin.remote_code_writer = staticmethod(bundle_processor_code)
     # the processor's own registration (AutoProcessor / AutoImageProcessor), where it exists
     name = f"{__name__}.processing.auto_registration_deepseek_v41_vl"
     if importlib.util.find_spec(name) is not None:

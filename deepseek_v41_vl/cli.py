@@ -48,7 +48,7 @@ def ensure_tiny_model(seed: int = 0, log=print) -> Path:
     when complete, so an interrupted build leaves no half folder; a concurrent build that finished
     first is used as is.
     """
-    from deepseek_v41_vl.conversion.checkpoint_names import DeepseekV41ConversionError
+    from deepseek_v41_vl.modeling.checkpoint_names_deepseek_v41_vl import DeepseekV41ConversionError
     from deepseek_v41_vl.conversion.convert import convert_checkpoint
     from deepseek_v41_vl.conversion.make_tiny import make_tiny
 
@@ -147,13 +147,15 @@ class _Timer:
 
 
 def _print_plan(inputs, image_processor, names: list[str]) -> None:
-    grids = inputs["image_grid_thw"].tolist() if "image_grid_thw" in inputs else []
+    from deepseek_v41_vl.modeling.image_spans_deepseek_v41_vl import image_span_length, llm_grid, parse_image_grid
+
+    grids = parse_image_grid(inputs.get("image_grid_thw"))
     ratio, patch = image_processor.downsample_ratio, image_processor.patch_size
     total = 0
     print(f"image plan (budget {image_processor.max_image_tokens} tokens, patch {patch}, merge {ratio}x{ratio}):")
-    for name, (_, n_vit_h, n_vit_w) in zip(names, grids):
-        n_llm_h, n_llm_w = -(-n_vit_h // ratio), -(-n_vit_w // ratio)
-        span = n_llm_h * (n_llm_w + 1) + 2
+    for name, (n_vit_h, n_vit_w) in zip(names, grids):
+        n_llm_h, n_llm_w = llm_grid(n_vit_h, n_vit_w, ratio)
+        span = image_span_length(n_llm_h, n_llm_w)
         total += span
         print(f"  {name}: {n_vit_h * patch}x{n_vit_w * patch} px (h x w), ViT grid {n_vit_h}x{n_vit_w} = "
               f"{n_vit_h * n_vit_w} patches, LLM grid {n_llm_h}x{n_llm_w}, span {span} tokens")

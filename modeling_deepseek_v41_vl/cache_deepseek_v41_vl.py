@@ -4,8 +4,8 @@ What the reference keeps in preallocated module buffers (`inference/model.py: At
 `compress_kv_cache`, `Compressor.kv_state/score_state`, `Indexer.k_cache`, `NgramHashState.cache`)
 lives here, per sequence batch:
 
-- per layer (:class:`DeepseekV41CacheLayer`, wrapping the attention module's
-  :class:`DeepseekV41LayerAttentionCache`): the sliding-window ring (bf16 ``[B, W, D]``, slot =
+- per layer (:class:`DeepseekV41LayerAttentionCache`, seen by transformers through
+  :class:`DeepseekV41CacheLayer`): the sliding-window ring (bf16 ``[B, W, D]``, slot =
   position % W), the ratio>1 compressor's partial group (fp32 ``[B, ratio, D]``), and on KV-source
   layers the compressed KV and index keys (rows appended as groups complete);
 - globally: which KV source last published index keys (a reference detail the indexer reads), the
@@ -19,17 +19,16 @@ pad counts are kept in ``attention.pad_offsets``); see `attention_deepseek_v41_v
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention_deepseek_v41_vl import DeepseekV41AttentionCache, DeepseekV41LayerAttentionCache
+from .exceptions_deepseek_v41_vl import DeepseekV41AttentionError, DeepseekV41CacheError
 
 
-class DeepseekV41CacheError(ValueError):
-    """The cache was used in a way the model does not support."""
-
-
-def _select_rows(tensor, index: torch.Tensor):
+def select_batch_rows(tensor: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    """`tensor`'s batch rows `index` (dim 0), in place when the batch size is unchanged."""
     if tensor is None:
         return None
     rows = tensor.index_select(0, index.to(tensor.device))
@@ -40,6 +39,214 @@ def _select_rows(tensor, index: torch.Tensor):
         # captured again
         return tensor.copy_(rows)
     return rows
+
+
+class DeepseekV41RowBuffer:
+    """Rows ``[B, n, D]`` appended along dim 1, stored with doubling capacity.
+
+    `length` is the number of rows of the longest batch row; with left padding a shorter batch row
+    holds zeros past its own end (nothing reads them: they are never visible to its queries).
+    """
+
+    def __init__(self, rows: torch.Tensor):
+        # a copy, never a view: the rows may be a CUDA graph's output, rewritten by its next replay
+        self._data = rows.clone(memory_format=torch.contiguous_format)
+        self.length = rows.size(1)
+
+    @classmethod
+    def empty(cls, like: torch.Tensor) -> "DeepseekV41RowBuffer":
+        """A buffer with no rows, for `like`'s batch, width, dtype and device."""
+        return cls(like.new_zeros(like.size(0), 0, like.size(-1)))
+
+    def _grow(self, end: int) -> None:
+        if end > self._data.size(1):
+            grown = self._data.new_zeros(self._data.size(0), max(end, 2 * self._data.size(1)), self._data.size(2))
+            grown[:, : self.length] = self._data[:, : self.length]
+            self._data = grown
+
+    def write(self, start: int, rows: torch.Tensor) -> None:
+        if start != self.length:
+            raise DeepseekV41AttentionError(f"cache rows must be appended in order: row {start} after {self.length}")
+        end = start + rows.size(1)
+        self._grow(end)
+        self._data[:, start:end] = rows
+        self.length = end
+
+    def scatter(self, index: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> None:
+        """Per batch row writes: ``data[b, index[b, i]] = rows[b, i]`` where ``valid[b, i]``.
+
+        index: int64 ``[B, n]`` (each batch row's own group indices), rows ``[B, n, D]``, valid bool
+        ``[B, n]``.
+        """
+        if not bool(valid.any()):
+            return
+        end = int(index[valid].max()) + 1
+        self._grow(end)
+        batch = torch.arange(index.size(0), device=index.device).unsqueeze(1).expand_as(index)
+        self._data[batch[valid], index[valid]] = rows[valid].to(self._data.dtype)
+        self.length = max(self.length, end)
+
+    def rows(self, n: int) -> torch.Tensor:
+        if n > self.length:
+            raise DeepseekV41AttentionError(f"asked for {n} cached rows, only {self.length} exist")
+        return self._data[:, :n]
+
+    def reserve(self, capacity: int) -> None:
+        """Make room for `capacity` rows (the storage moves only when it grows)."""
+        self._grow(capacity)
+
+    def storage(self, n: int) -> torch.Tensor:
+        """The first `n` rows of the storage, written or not (``n <= capacity``; a decode step
+        captured in a CUDA graph reads a fixed width and masks the rows past `length`)."""
+        if n > self._data.size(1):
+            raise DeepseekV41AttentionError(f"asked for {n} storage rows, the capacity is {self._data.size(1)}")
+        return self._data[:, :n]
+
+    def write_at(self, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write `rows` ``[B, n, D]`` at the storage rows `index` (int64 ``[n]``, on the device):
+        no host synchronisation, so a CUDA graph may capture it. `length` is left to the caller,
+        who knows the step's position on the host."""
+        self._data.index_copy_(1, index, rows.to(self._data.dtype))
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep (and reorder) the batch rows `index` (int ``[n]``) of the storage (beam search,
+        batch selection); see :func:`select_batch_rows`."""
+        self._data = select_batch_rows(self._data, index)
+
+    @property
+    def address(self) -> int:
+        return self._data.data_ptr()
+
+    @property
+    def device(self) -> torch.device:
+        return self._data.device
+
+
+@dataclass
+class DeepseekV41LayerAttentionCache:
+    """What one attention layer keeps between forwards (decode).
+
+    Attributes:
+        window_kv: bf16 ``[B, W, D]`` ring buffer, position p in slot p % W (fp8-fake-quantized KV).
+        compressed_kv: kv sources: RoPE'd, fp4-fake-quantized latents ``[B, T, D]``.
+        index_k: kv sources: index keys ``[B, T, index_head_dim]``.
+        compressor_kv / compressor_score: ratio>1 kv sources: fp32 ``[B, ratio, D]`` partial group
+            (score initialised to -inf), slot = position % ratio.
+    """
+
+    window_kv: torch.Tensor | None = None
+    compressed_kv: DeepseekV41RowBuffer | None = None
+    index_k: DeepseekV41RowBuffer | None = None
+    compressor_kv: torch.Tensor | None = None
+    compressor_score: torch.Tensor | None = None
+
+    def start_compressor(self, like: torch.Tensor, ratio: int, head_dim: int) -> None:
+        """An empty partial group for a new sequence of `like`'s batch: kv zeros, score -inf."""
+        self.compressor_kv = like.new_zeros(like.size(0), ratio, head_dim, dtype=torch.float32)
+        self.compressor_score = like.new_full((like.size(0), ratio, head_dim), -torch.inf, dtype=torch.float32)
+
+    def park(self, slot, kv: torch.Tensor, score: torch.Tensor) -> None:
+        """Write a step's compressor projections ``[B, 1, D]`` into the partial-group slot `slot`
+        (an int, or an int64 ``[1]`` device tensor: no host synchronisation, graph-safe)."""
+        if isinstance(slot, torch.Tensor):
+            self.compressor_kv.index_copy_(1, slot, kv)
+            self.compressor_score.index_copy_(1, slot, score)
+        else:
+            self.compressor_kv[:, slot] = kv.squeeze(1)
+            self.compressor_score[:, slot] = score.squeeze(1)
+
+    def reset(self) -> None:
+        self.window_kv = self.compressed_kv = self.index_k = self.compressor_kv = self.compressor_score = None
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep (and reorder) the batch rows `index` of every tensor of this layer's state."""
+        self.window_kv = select_batch_rows(self.window_kv, index)
+        self.compressor_kv = select_batch_rows(self.compressor_kv, index)
+        self.compressor_score = select_batch_rows(self.compressor_score, index)
+        for buffer in (self.compressed_kv, self.index_k):
+            if buffer is not None:
+                buffer.select_rows(index)
+
+
+class DeepseekV41AttentionCache:
+    """Per-sequence-batch attention cache: one :class:`DeepseekV41LayerAttentionCache` per layer.
+
+    `index_k_publisher` reproduces a reference detail: index keys are read from the kv source that
+    most recently *published* keys (`shared_attn.index_k`), and a ratio-2 source publishes only when
+    its group completes. On a decode step that completes no group, a ratio-2 indexer therefore reads
+    the keys of the last publisher of the previous forward (the ratio-1 source). Kept so decode
+    matches the reference tensor for tensor.
+
+    With left padding the batch rows reach their group boundaries at different steps, so the
+    publisher is per batch row: `index_k_publisher_rows` (int64 ``[B]``, -1 = none yet) when the
+    rows differ, None when they agree (then `index_k_publisher` is every row's).
+
+    Attributes:
+        layers: layer id -> :class:`DeepseekV41LayerAttentionCache`.
+        index_k_publisher: the layer whose index keys were published last (None before any).
+        index_k_publisher_rows: per batch row publisher when the rows differ, else None.
+        pad_offsets: int64 ``[B]`` left-padding of the batch rows as last given by the caller
+            (:func:`left_padding_offsets`), reused by forwards that pass none; None = no padding.
+        prefill_length: optional, set by a caller that prefills a prompt of this many (padded)
+            columns in several chunks. Exact numerics then give each chunk's index lists the
+            widths one prefill of the whole prompt has (window columns, top-k columns) and rank
+            the indexer scores over the same width, padding with -inf: `torch.topk` breaks exact
+            ties depending on the width it ranks, so this makes chunks pick what one prefill
+            picks. Without it a chunk ranks the positions that exist so far (the same selection
+            up to tie choices).
+    """
+
+    def __init__(self):
+        self.layers: dict[int, DeepseekV41LayerAttentionCache] = {}
+        self.seen_tokens = 0  # kept up to date by the owning transformers cache
+        self.index_k_publisher: int | None = None
+        self.index_k_publisher_rows: torch.Tensor | None = None
+        self.pad_offsets: torch.Tensor | None = None
+        self.prefill_length: int | None = None
+
+    def layer(self, layer_id: int) -> DeepseekV41LayerAttentionCache:
+        return self.layers.setdefault(layer_id, DeepseekV41LayerAttentionCache())
+
+    def publish_index_keys(self, layer_id: int, rows: torch.Tensor | None = None) -> None:
+        """Record that `layer_id` published index keys, for all batch rows or those where `rows`
+        (bool ``[B]``) is True."""
+        if rows is None or bool(rows.all()):
+            self.index_k_publisher, self.index_k_publisher_rows = layer_id, None
+            return
+        if not bool(rows.any()):
+            return
+        current = self.index_k_publisher_rows
+        if current is None:
+            current = torch.full(rows.shape, -1 if self.index_k_publisher is None else self.index_k_publisher,
+                                 dtype=torch.int64, device=rows.device)
+        self.index_k_publisher_rows = torch.where(rows, layer_id, current)
+        self.index_k_publisher = layer_id
+
+    def index_keys(self, n: int, reader: int, device: torch.device | None = None) -> torch.Tensor:
+        """The first `n` published index keys ``[B, n, index_head_dim]``, each batch row's from its
+        own last publisher (rows without one get zeros; they see no compressed position), on
+        `device` when given (the publisher may sit on another GPU).
+
+        Raises:
+            DeepseekV41AttentionError: nothing published yet (`reader` names the asking layer).
+        """
+        if self.index_k_publisher is None:
+            raise DeepseekV41AttentionError(f"layer {reader}: no index keys were published before its indexer")
+        if self.index_k_publisher_rows is None:
+            rows = self.layer(self.index_k_publisher).index_k.rows(n)
+            return rows if device is None else rows.to(device)
+        publishers = self.index_k_publisher_rows
+        keys = None
+        for layer_id in sorted(set(publishers.tolist()) - {-1}):
+            rows = self.layer(layer_id).index_k.rows(n)
+            rows = rows.to(publishers.device if device is None else device)
+            publishers = publishers.to(rows.device)
+            if keys is None:
+                keys = torch.where((publishers == layer_id).view(-1, 1, 1), rows, torch.zeros_like(rows))
+            else:
+                keys = torch.where((publishers == layer_id).view(-1, 1, 1), rows, keys)
+        return keys
+
 
 
 class DeepseekV41CacheLayer(CacheLayerMixin):
@@ -87,21 +294,13 @@ class DeepseekV41CacheLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        s = self.state
-        s.window_kv = s.compressed_kv = s.index_k = s.compressor_kv = s.compressor_score = None
+        self.state.reset()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        s = self.state
-        s.window_kv = _select_rows(s.window_kv, indices)
-        s.compressor_kv = _select_rows(s.compressor_kv, indices)
-        s.compressor_score = _select_rows(s.compressor_score, indices)
-        for buffer in (s.compressed_kv, s.index_k):
-            if buffer is not None:
-                # _RowBuffer keeps its rows in `_data` [B, capacity, D]
-                buffer._data = _select_rows(buffer._data, indices)
+        self.state.select_rows(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         batch = self.state.window_kv.size(0) if self.state.window_kv is not None else 0
@@ -162,10 +361,10 @@ class DeepseekV41Cache(Cache):
         if batch is not None and indices.numel() and bool(((indices < 0) | (indices >= batch)).any()):
             raise DeepseekV41CacheError(f"batch indices must lie in [0, {batch}), got {indices.tolist()}")
         super().batch_select_indices(indices)
-        self.engram_history = _select_rows(self.engram_history, indices)
+        self.engram_history = select_batch_rows(self.engram_history, indices)
         # per batch row attention state (left padding)
-        self.attention.pad_offsets = _select_rows(self.attention.pad_offsets, indices)
-        self.attention.index_k_publisher_rows = _select_rows(self.attention.index_k_publisher_rows, indices)
+        self.attention.pad_offsets = select_batch_rows(self.attention.pad_offsets, indices)
+        self.attention.index_k_publisher_rows = select_batch_rows(self.attention.index_k_publisher_rows, indices)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
@@ -185,4 +384,12 @@ class DeepseekV41Cache(Cache):
         )
 
 
-__all__ = ["DeepseekV41Cache", "DeepseekV41CacheError", "DeepseekV41CacheLayer"]
+__all__ = [
+    "DeepseekV41AttentionCache",
+    "DeepseekV41Cache",
+    "DeepseekV41CacheError",
+    "DeepseekV41CacheLayer",
+    "DeepseekV41LayerAttentionCache",
+    "DeepseekV41RowBuffer",
+    "select_batch_rows",
+]

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_deepseek_v41_vl import DeepseekV41TextConfig
+from .numerics_deepseek_v41_vl import DeepseekV41Numerics
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
 
 # A compressed id that stops every n-gram reaching back over it (`NgramHashState.DEAD`).
@@ -540,15 +541,6 @@ class DeepseekV41EngramEmbedding(nn.Module):
         return rows
 
 
-def _projection_dtype(config: DeepseekV41TextConfig, weight_dtype: str | None) -> str:
-    # The reference builds `wkv` in the checkpoint's default dtype: fp8 for the released weights,
-    # bf16 for a bf16 checkpoint.
-    if weight_dtype is not None:
-        return weight_dtype
-    quantization = getattr(config, "quantization_config", None) or {}
-    return "fp8" if quantization.get("quant_method") == "fp8" else "bf16"
-
-
 class DeepseekV41Engram(nn.Module):
     """One Engram layer: looks up the n-gram rows, projects them to one key per hc copy plus a shared
     value, and adds the value to each copy scaled by a gate of how well the key matches that copy.
@@ -563,17 +555,18 @@ class DeepseekV41Engram(nn.Module):
         q_weight, k_weight: bf16 ``[hc_mult, hidden_size]``, only ever used as their product.
 
     Args:
-        config: the text config (``engram_*``, ``hidden_size``, ``hc_mult``, ``rms_norm_eps``,
-            ``numerics``: ``"exact"`` runs `wkv` through the reference's block GEMM).
+        config: the text config (``engram_*``, ``hidden_size``, ``hc_mult``, ``rms_norm_eps``, and
+            ``weight_dtype``, the storage of `wkv`: the reference builds it in the checkpoint's
+            default dtype, fp8 for the released weights, bf16 for a bf16 checkpoint).
         layer_idx: the decoder layer this Engram precedes; must be in ``engram_layer_ids``.
-        weight_dtype: storage of `wkv` (``"fp8"`` or ``"bf16"``); None reads
-            ``config.quantization_config`` (fp8 when its ``quant_method`` is fp8, else bf16).
+        numerics: the model's plan (exact runs `wkv` through the reference's block GEMM); default
+            `config.numerics` with the environment's backends.
 
     Raises:
         DeepseekV41EngramError: `layer_idx` is not an Engram layer, or the layout is inconsistent.
     """
 
-    def __init__(self, config: DeepseekV41TextConfig, layer_idx: int, weight_dtype: str | None = None):
+    def __init__(self, config: DeepseekV41TextConfig, layer_idx: int, numerics: DeepseekV41Numerics | None = None):
         super().__init__()
         layout = DeepseekV41EngramLayout.from_config(config)
         self.layer_idx = layer_idx
@@ -587,8 +580,8 @@ class DeepseekV41Engram(nn.Module):
         self.wkv = DeepseekV41Linear(
             layout.n_hash_cols * layout.head_dim,
             config.hidden_size * (config.hc_mult + 1),
-            weight_dtype=_projection_dtype(config, weight_dtype),
-            numerics=config.numerics,
+            weight_dtype=config.weight_dtype,
+            numerics=numerics if numerics is not None else config.numerics,
         )
         self.q_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size, dtype=torch.bfloat16))
         self.k_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size, dtype=torch.bfloat16))

@@ -21,10 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..triton_ops.hc_sinkhorn import hc_split_sinkhorn_triton
-from ..triton_ops.hc_sinkhorn import resolve_backend as resolve_sinkhorn_backend
+from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
 
 # None: not configured, which computes like "exact"
-HC_NUMERICS = (None, "exact", "fast")
 
 
 class DeepseekV41HyperConnectionError(ValueError):
@@ -120,26 +119,20 @@ class DeepseekV41HyperConnection(nn.Module):
         sinkhorn_iters (`int`): `hc_sinkhorn_iters`.
         hc_eps (`float`): `hc_eps` (Sinkhorn and `pre`).
         norm_eps (`float`): `rms_norm_eps`, inside the rsqrt of :meth:`mixes`.
-        numerics (`str`, *optional*): ``"fast"`` lets :meth:`mixes` run the Sinkhorn as one Triton
-            kernel where the backend resolves to Triton; ``"exact"`` or None (the default: the
-            owner did not say) keep the torch ops. Read at each call, so assigning
-            ``module.numerics`` switches it, like `DeepseekV41Linear.numerics`.
-
-    Raises:
-        DeepseekV41HyperConnectionError: `numerics` is not None, ``"exact"`` or ``"fast"``.
+        numerics: the model's plan (or a mode name): in fast numerics :meth:`mixes` runs the
+            Sinkhorn as one Triton kernel where the plan's ``hc_sinkhorn`` backend is Triton;
+            exact numerics keep the torch ops.
     """
 
     def __init__(
-        self, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float, numerics: str | None = None
+        self, hc_mult: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float, numerics: DeepseekV41Numerics | str = "exact"
     ):
         super().__init__()
-        if numerics not in HC_NUMERICS:
-            raise DeepseekV41HyperConnectionError(f"numerics must be one of {HC_NUMERICS}, got {numerics!r}")
         self.hc_mult = hc_mult
         self.sinkhorn_iters = sinkhorn_iters
         self.hc_eps = hc_eps
         self.norm_eps = norm_eps
-        self.numerics = numerics
+        self.numerics = as_numerics(numerics)
 
     def _check_stream(self, x: torch.Tensor, name: str) -> None:
         if x.dim() != 4 or x.size(2) != self.hc_mult:
@@ -161,8 +154,7 @@ class DeepseekV41HyperConnection(nn.Module):
 
         Raises:
             DeepseekV41HyperConnectionError: `x` is not `[B, S, N, D]` or `fn` does not match it.
-            HcSinkhornError: (fast numerics) an unknown ``DEEPSEEK_V41_HC_SINKHORN_BACKEND``, or
-                ``triton`` forced where the kernel cannot run.
+            HcSinkhornError: (fast numerics) ``triton`` forced where the kernel cannot run.
         """
         self._check_stream(x, "x")
         if fn.shape != ((2 + self.hc_mult) * self.hc_mult, self.hc_mult * x.size(-1)):
@@ -173,7 +165,7 @@ class DeepseekV41HyperConnection(nn.Module):
         # one RMS statistic over all N*D values of a token, applied after the projection, no weight
         rsqrt = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
         m = F.linear(flat, fn) * rsqrt
-        if self.numerics == "fast" and resolve_sinkhorn_backend(None, m.device) == "triton":
+        if self.numerics.backend("hc_sinkhorn", m.device) == "triton":
             return hc_split_sinkhorn_triton(m, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps)
         return hc_split_sinkhorn(m, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps)
 
@@ -217,7 +209,7 @@ class DeepseekV41HyperConnection(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"hc_mult={self.hc_mult}, sinkhorn_iters={self.sinkhorn_iters}, hc_eps={self.hc_eps}, "
-            f"numerics={self.numerics}"
+            f"numerics={self.numerics.mode}"
         )
 
 

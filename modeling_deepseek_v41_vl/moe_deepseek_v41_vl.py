@@ -7,7 +7,7 @@ and parameter names are the checkpoint's, so ``layers.{i}.ffn.<name>`` loads wit
 - ``experts.{e}.w{1,2,3}.{weight,scale}``: routed experts, fp4 in the fp8 checkpoint, else bf16;
 - ``shared_experts.w{1,2,3}.{weight,scale}``: the one shared expert, fp8 or bf16.
 
-Numerics (``config.numerics``):
+Numerics (the model's plan, `numerics_deepseek_v41_vl.py`):
 
 - ``"exact"``: the reference's loop over experts, torch top-k routing; bitwise equal on CPU.
 - ``"fast"``: routing by the Triton kernel on CUDA (torch elsewhere). The routed experts then take
@@ -28,55 +28,19 @@ Numerics (``config.numerics``):
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..triton_ops.moe_experts import ENV_BACKEND as MOE_EXPERTS_ENV_BACKEND
-from ..triton_ops.moe_experts import (
-    ExpertTableCache,
-    moe_experts_triton,
-    resolve_moe_experts_backend,
-    use_moe_experts_kernel,
-)
+from ..triton_ops.moe_experts import ExpertTableCache, moe_experts_triton, use_moe_experts_kernel
 from ..triton_ops.moe_prefill import moe_routed_prefill, use_moe_prefill
 from ..triton_ops.moe_routing import route_topk, router_scores
+from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
 
 
 class DeepseekV41MoEError(ValueError):
     """Bad MoE configuration or input (shape, dtype, unsupported option)."""
-
-
-def moe_weight_dtypes(quantization_config: dict | None) -> tuple[str, str]:
-    """Storage dtypes ``(routed, shared)`` of the expert linears for a checkpoint.
-
-    Mirrors `MoE.__init__`: routed experts use ``expert_dtype`` ("fp4") when set, otherwise the
-    checkpoint's dtype; the shared expert always uses the checkpoint's dtype.
-
-    Args:
-        quantization_config: the top-level config's ``quantization_config`` (a dict or an object
-            with ``to_dict``), or None for a bf16 checkpoint.
-
-    Returns:
-        ``("fp4", "fp8")`` for the released fp8 checkpoint, ``("bf16", "bf16")`` without quantization.
-
-    Raises:
-        DeepseekV41MoEError: a quantization method other than fp8, or an unknown expert dtype.
-    """
-    if quantization_config is None:
-        return "bf16", "bf16"
-    if not isinstance(quantization_config, dict):
-        quantization_config = quantization_config.to_dict()
-    method = quantization_config.get("quant_method")
-    if method != "fp8":
-        raise DeepseekV41MoEError(f"unsupported quant_method {method!r} (expected 'fp8' or no quantization_config)")
-    routed = quantization_config.get("expert_dtype") or "fp8"
-    if routed not in ("fp4", "fp8"):
-        raise DeepseekV41MoEError(f"expert_dtype must be 'fp4' or 'fp8', got {routed!r}")
-    return routed, "fp8"
 
 
 def _moe_shape(config, layer_idx: int | None) -> tuple[int, int]:
@@ -103,14 +67,15 @@ class DeepseekV41Gate(nn.Module):
     Args:
         config: `DeepseekV41TextConfig` (``hidden_size``, ``n_routed_experts``,
             ``num_experts_per_tok``, ``scoring_func``, ``gate_temp``, ``norm_topk_prob``,
-            ``routed_scaling_factor``, ``numerics``).
+            ``routed_scaling_factor``).
         layer_idx: selects the DSpark expert counts for layers past ``num_hidden_layers``.
+        numerics: the model's plan (exact: torch top-k, whose tie choice is the reference's).
 
     Raises:
         DeepseekV41MoEError: a ``scoring_func`` other than ``"sqrtsoftplus"`` (the only one V4.1 uses).
     """
 
-    def __init__(self, config, layer_idx: int | None = None):
+    def __init__(self, config, layer_idx: int | None = None, numerics: DeepseekV41Numerics | str = "fast"):
         super().__init__()
         if config.scoring_func != "sqrtsoftplus":
             raise DeepseekV41MoEError(f"scoring_func {config.scoring_func!r} is not supported (V4.1 uses 'sqrtsoftplus')")
@@ -119,7 +84,7 @@ class DeepseekV41Gate(nn.Module):
         self.gate_temp = config.gate_temp
         self.norm_topk_prob = config.norm_topk_prob
         self.route_scale = config.routed_scaling_factor
-        self.numerics = config.numerics
+        self.numerics = as_numerics(numerics)
         self.weight = nn.Parameter(torch.empty(self.n_routed_experts, self.hidden_size, dtype=torch.bfloat16))
         self.bias = nn.Parameter(torch.empty(self.n_routed_experts, dtype=torch.float32))
         self.bias_vl = nn.Parameter(torch.empty(self.n_routed_experts, dtype=torch.float32))
@@ -151,7 +116,7 @@ class DeepseekV41Gate(nn.Module):
         if x.dim() != 2 or x.size(-1) != self.hidden_size:
             raise DeepseekV41MoEError(f"gate input must be [N, {self.hidden_size}], got {tuple(x.shape)}")
         # exact: torch.topk, whose tie choice is the reference's; fast: the fused kernel on CUDA
-        backend = "torch" if self.numerics == "exact" else "auto"
+        backend = self.numerics.backend("moe_routing", x.device)
         return route_topk(
             self.router_logits(x),
             self.bias,
@@ -180,10 +145,17 @@ class DeepseekV41Expert(nn.Module):
         hidden_size, intermediate_size: ``D`` and the expert width.
         weight_dtype: storage of w1/w2/w3 (``"bf16"``, ``"fp8"``, ``"fp4"``).
         swiglu_limit: the clamp; 0 disables it.
-        numerics: ``"fast"`` or ``"exact"``, handed to the linears.
+        numerics: the model's plan (or a mode name), handed to the linears.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, weight_dtype: str, swiglu_limit: float, numerics: str):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        weight_dtype: str,
+        swiglu_limit: float,
+        numerics: DeepseekV41Numerics | str = "fast",
+    ):
         super().__init__()
         self.w1 = DeepseekV41Linear(hidden_size, intermediate_size, weight_dtype=weight_dtype, numerics=numerics)
         self.w2 = DeepseekV41Linear(intermediate_size, hidden_size, weight_dtype=weight_dtype, numerics=numerics)
@@ -216,37 +188,33 @@ class DeepseekV41MoE(nn.Module):
     the result is cast to ``x.dtype``.
 
     Args:
-        config: `DeepseekV41TextConfig` (MoE shape, ``swiglu_limit``, ``numerics``).
+        config: `DeepseekV41TextConfig`: the MoE shape, ``swiglu_limit``, and the storage, read
+            from nowhere else: ``expert_weight_dtype`` for the routed experts (``"fp4"`` in the
+            release), ``weight_dtype`` for the shared one (the composite config sets both from
+            the checkpoint's ``quantization_config``).
         layer_idx: selects the DSpark expert counts for layers past ``num_hidden_layers``.
-        quantization_config: optional override of the storage, as a ``quantization_config`` dict
-            (see :func:`moe_weight_dtypes`). By default the storage is read from the text config:
-            ``expert_weight_dtype`` for the routed experts, ``weight_dtype`` for the shared one
-            (the composite config sets both from the checkpoint's ``quantization_config``).
+        numerics: the model's plan (default: `config.numerics` with the environment's backends).
 
     Raises:
-        DeepseekV41MoEError: ``n_shared_experts != 1`` (the reference supports exactly one) or a
-            bad quantization config.
+        DeepseekV41MoEError: ``n_shared_experts != 1`` (the reference supports exactly one).
     """
 
-    def __init__(self, config, layer_idx: int | None = None, quantization_config: dict | None = None):
+    def __init__(self, config, layer_idx: int | None = None, numerics: DeepseekV41Numerics | None = None):
         super().__init__()
         if config.n_shared_experts != 1:
             raise DeepseekV41MoEError(f"n_shared_experts must be 1, got {config.n_shared_experts}")
-        if quantization_config is not None:
-            routed_dtype, shared_dtype = moe_weight_dtypes(quantization_config)
-        else:
-            routed_dtype = getattr(config, "expert_weight_dtype", "bf16")
-            shared_dtype = getattr(config, "weight_dtype", "bf16")
+        numerics = numerics if numerics is not None else DeepseekV41Numerics.resolve(config.numerics)
+        routed_dtype, shared_dtype = config.expert_weight_dtype, config.weight_dtype
         self.hidden_size = config.hidden_size
-        self.numerics = config.numerics
-        self.gate = DeepseekV41Gate(config, layer_idx)
+        self.numerics = numerics
+        self.gate = DeepseekV41Gate(config, layer_idx, numerics)
         self.n_routed_experts = self.gate.n_routed_experts
         inter = config.moe_intermediate_size
         self.experts = nn.ModuleList(
-            DeepseekV41Expert(config.hidden_size, inter, routed_dtype, config.swiglu_limit, config.numerics)
+            DeepseekV41Expert(config.hidden_size, inter, routed_dtype, config.swiglu_limit, numerics)
             for _ in range(self.n_routed_experts)
         )
-        self.shared_experts = DeepseekV41Expert(config.hidden_size, inter, shared_dtype, config.swiglu_limit, config.numerics)
+        self.shared_experts = DeepseekV41Expert(config.hidden_size, inter, shared_dtype, config.swiglu_limit, numerics)
         self.routed_weight_dtype = routed_dtype
         # where the expert kernels find the 3 x E weights (a plain attribute, not state): rebuilt
         # when the experts move (`.to()`) or their first / last tensors are replaced
@@ -273,7 +241,7 @@ class DeepseekV41MoE(nn.Module):
         x_sorted = x[rows]
         w_sorted = weights.flatten()[order].unsqueeze(-1)
         counts = torch.bincount(flat_ids, minlength=self.n_routed_experts).tolist()
-        if use_moe_prefill(x, self.routed_weight_dtype):
+        if use_moe_prefill(x, self.routed_weight_dtype, self.numerics.backend("moe_prefill", x.device)):
             # batched dequant + grouped GEMMs per chunk of experts (`triton_ops/moe_prefill.py`):
             # the same math, without ~50 host-issued launches per expert
             table = self.expert_tables.get(self.experts)
@@ -298,14 +266,12 @@ class DeepseekV41MoE(nn.Module):
     def runs_without_host_sync(self, rows: int, device: torch.device) -> bool:
         """True when a forward of `rows` bf16 token rows on `device` takes the expert kernels' path,
         which never synchronises with the host (so it can be captured in a CUDA graph). Asked at
-        every decode step of every layer, so the answer is kept per (rows, device, numerics,
-        backend setting)."""
-        key = (rows, device, self.numerics, os.environ.get(MOE_EXPERTS_ENV_BACKEND))
+        every decode step of every layer, so the answer is kept per (rows, device, plan)."""
+        key = (rows, device, self.numerics)
         answers = self.__dict__.setdefault("_host_sync_free", {})
         if key not in answers:
             answers[key] = (
-                self.numerics == "fast"
-                and resolve_moe_experts_backend(None, device) == "triton"
+                self.numerics.backend("moe_experts", device) == "triton"
                 and use_moe_experts_kernel(
                     torch.empty(rows, self.hidden_size, dtype=torch.bfloat16, device="meta"),
                     torch.empty(rows, self.gate.top_k, device="meta"),
@@ -332,8 +298,8 @@ class DeepseekV41MoE(nn.Module):
 
         Raises:
             DeepseekV41MoEError: wrong shapes, or `image_rows` not a bool ``[B, S]`` tensor.
-            MoEExpertsError: an unknown ``DEEPSEEK_V41_MOE_EXPERTS_BACKEND``, or ``"triton"`` forced
-                where Triton cannot run (CPU without its interpreter).
+            MoEExpertsError: ``"triton"`` forced where Triton cannot run (CPU without its
+                interpreter).
         """
         if hidden_states.dim() != 3 or hidden_states.size(-1) != self.hidden_size:
             raise DeepseekV41MoEError(f"hidden_states must be [B, S, {self.hidden_size}], got {tuple(hidden_states.shape)}")
@@ -344,9 +310,9 @@ class DeepseekV41MoE(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
         weights, indices = self.gate(x, None if image_rows is None else image_rows.reshape(-1))
-        if self.numerics == "exact":
+        if self.numerics.exact:
             out = self._routed_exact(x, weights, indices)
-        elif use_moe_experts_kernel(x, indices, self.routed_weight_dtype):
+        elif use_moe_experts_kernel(x, indices, self.routed_weight_dtype, self.numerics.backend("moe_experts", x.device)):
             out = self._routed_kernels(x, weights, indices)
         else:
             out = self._routed_grouped(x, weights, indices)
@@ -359,5 +325,4 @@ __all__ = [
     "DeepseekV41Gate",
     "DeepseekV41MoE",
     "DeepseekV41MoEError",
-    "moe_weight_dtypes",
 ]

@@ -13,7 +13,7 @@ Everything here reproduces, bit for bit on CPU, what the reference computes thro
 - :class:`DeepseekV41Linear`: `inference/model.py: Linear` + `linear()`, weights named exactly like
   the checkpoint (`<mod>.weight`, `<mod>.scale`).
 
-Numerics modes (``config.numerics``):
+Numerics modes (the model's plan, `numerics_deepseek_v41_vl.py`):
 
 - ``"exact"``: the reference's op sequence; results are bitwise equal on CPU.
 - ``"fast"``: the same activation fake-quant, then a plain bf16 matmul against the dequantized weight
@@ -41,6 +41,7 @@ from ..triton_ops.fake_quant import ENV_BACKEND as _FAKE_QUANT_ENV_BACKEND
 from ..triton_ops.fake_quant import FP4_SCALE_FORMATS as FP4_KERNEL_SCALE_FORMATS
 from ..triton_ops.fake_quant import FP8_GROUP as FP8_KERNEL_GROUP
 from ..triton_ops.fake_quant import fake_quant_fp4_triton, fake_quant_fp8_triton, fp4_group_supported
+from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
 
 FP8_E4M3_MAX = 448.0
 FP4_E2M1_MAX = 6.0
@@ -83,7 +84,6 @@ WEIGHT_DTYPES = {
     "fp8": torch.float8_e4m3fn,
     "fp4": torch.float4_e2m1fn_x2,
 }
-NUMERICS = ("fast", "exact")
 
 
 class DeepseekV41QuantizationError(ValueError):
@@ -164,20 +164,23 @@ def act_quant(
     return q.flatten(-2), scale.to(scale_dtype)
 
 
-def _fake_quant_use_triton(x: torch.Tensor) -> bool:
+def _fake_quant_use_triton(x: torch.Tensor, backend: str | None) -> bool:
     # the kernels give the torch functions' bits, so this only picks the faster path; reads the
     # device only (no synchronisation)
     return "triton" == resolve_backend(
-        None, x.device, env_var=_FAKE_QUANT_ENV_BACKEND, error=DeepseekV41QuantizationError, what="fake quant"
+        backend, x.device, env_var=_FAKE_QUANT_ENV_BACKEND, error=DeepseekV41QuantizationError, what="fake quant"
     )
 
 
-def fake_quant_fp8(x: torch.Tensor, block: int = QUANT_BLOCK, scale_fmt: str | None = "ue8m0") -> torch.Tensor:
+def fake_quant_fp8(
+    x: torch.Tensor, block: int = QUANT_BLOCK, scale_fmt: str | None = "ue8m0", backend: str | None = None
+) -> torch.Tensor:
     """Quantize to e4m3 as :func:`act_quant` and dequantize back; bf16 ``[..., K]`` out, new tensor.
 
     Mirrors `kernel.act_quant(..., inplace=True)` (the window-KV fake-quant, REFERENCE.md 6.2).
-    ``(32, "ue8m0")`` on CUDA (or with ``DEEPSEEK_V41_FAKE_QUANT_BACKEND=triton``) runs as one
-    Triton kernel, `triton_ops/fake_quant.py: fake_quant_fp8_triton`, bitwise equal to the torch ops.
+    ``(32, "ue8m0")`` with `backend` ``"triton"`` (None / ``"auto"``: ``DEEPSEEK_V41_FAKE_QUANT_BACKEND``,
+    else Triton on CUDA; the model passes its plan's choice) runs as one Triton kernel,
+    `triton_ops/fake_quant.py: fake_quant_fp8_triton`, bitwise equal to the torch ops.
 
     Raises:
         DeepseekV41QuantizationError: non-bf16 input, K not a multiple of `block`, unknown format
@@ -185,7 +188,7 @@ def fake_quant_fp8(x: torch.Tensor, block: int = QUANT_BLOCK, scale_fmt: str | N
     """
     _check_bf16(x, "fake_quant_fp8")
     _check_groups(x, block, "fake_quant_fp8")
-    if block == FP8_KERNEL_GROUP and scale_fmt == "ue8m0" and _fake_quant_use_triton(x):
+    if block == FP8_KERNEL_GROUP and scale_fmt == "ue8m0" and _fake_quant_use_triton(x, backend):
         return fake_quant_fp8_triton(x)
     return _fake_quant_fp8_torch(x, block, scale_fmt)
 
@@ -222,7 +225,7 @@ def _fp4_group_scales(x: torch.Tensor, group: int, scale_fmt: str) -> tuple[torc
     return groups, scale
 
 
-def fake_quant_fp4(x: torch.Tensor, group: int = 16, scale_fmt: str = "e4m3") -> torch.Tensor:
+def fake_quant_fp4(x: torch.Tensor, group: int = 16, scale_fmt: str = "e4m3", backend: str | None = None) -> torch.Tensor:
     """E2M1 quantize-dequantize of the last dimension in groups; bf16 out, new tensor.
 
     Mirrors `kernel.fp4_act_quant(x, group, inplace=True, scale_dtype)`:
@@ -232,8 +235,9 @@ def fake_quant_fp4(x: torch.Tensor, group: int = 16, scale_fmt: str = "e4m3") ->
 
     Then y = E2M1(clamp(x / s, +-6)) * s, cast to bf16.
 
-    On CUDA (or with ``DEEPSEEK_V41_FAKE_QUANT_BACKEND=triton``) this is one Triton kernel,
-    `triton_ops/fake_quant.py: fake_quant_fp4_triton`, bitwise equal to the torch ops.
+    With `backend` ``"triton"`` (None / ``"auto"``: ``DEEPSEEK_V41_FAKE_QUANT_BACKEND``, else Triton
+    on CUDA) this is one Triton kernel, `triton_ops/fake_quant.py: fake_quant_fp4_triton`, bitwise
+    equal to the torch ops.
 
     Raises:
         DeepseekV41QuantizationError: non-bf16 input, K not a multiple of `group`, unknown format
@@ -241,7 +245,7 @@ def fake_quant_fp4(x: torch.Tensor, group: int = 16, scale_fmt: str = "e4m3") ->
     """
     _check_bf16(x, "fake_quant_fp4")
     _check_groups(x, group, "fake_quant_fp4")
-    if scale_fmt in FP4_KERNEL_SCALE_FORMATS and fp4_group_supported(group) and _fake_quant_use_triton(x):
+    if scale_fmt in FP4_KERNEL_SCALE_FORMATS and fp4_group_supported(group) and _fake_quant_use_triton(x, backend):
         return fake_quant_fp4_triton(x, group, scale_fmt)
     return _fake_quant_fp4_torch(x, group, scale_fmt)
 
@@ -413,14 +417,22 @@ class DeepseekV41Linear(nn.Module):
     Args:
         in_features, out_features: logical shape.
         weight_dtype: ``"bf16"``, ``"fp32"``, ``"fp8"`` or ``"fp4"`` (or the torch dtype).
-        numerics: ``"fast"`` or ``"exact"``; a plain attribute, the model may set it later.
+        numerics: the model's :class:`DeepseekV41Numerics` plan, or a mode name (``"fast"`` /
+            ``"exact"``, backends from the environment).
 
     Raises:
-        DeepseekV41QuantizationError: unknown dtype/numerics, or fp4 with `in_features` not a
-            multiple of 32; at call time, non-bf16 input to a quantized weight.
+        DeepseekV41QuantizationError: unknown dtype, or fp4 with `in_features` not a multiple of
+            32; at call time, non-bf16 input to a quantized weight.
+        DeepseekV41NumericsError: an unknown numerics mode.
     """
 
-    def __init__(self, in_features: int, out_features: int, weight_dtype: str | torch.dtype = "bf16", numerics: str = "fast"):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        weight_dtype: str | torch.dtype = "bf16",
+        numerics: DeepseekV41Numerics | str = "fast",
+    ):
         super().__init__()
         if isinstance(weight_dtype, torch.dtype):
             names = {v: k for k, v in WEIGHT_DTYPES.items()}
@@ -429,12 +441,10 @@ class DeepseekV41Linear(nn.Module):
             weight_dtype = names[weight_dtype]
         if weight_dtype not in WEIGHT_DTYPES:
             raise DeepseekV41QuantizationError(f"weight_dtype must be one of {sorted(WEIGHT_DTYPES)}, got {weight_dtype!r}")
-        if numerics not in NUMERICS:
-            raise DeepseekV41QuantizationError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
         self.in_features = in_features
         self.out_features = out_features
         self.weight_dtype = weight_dtype
-        self.numerics = numerics
+        self.numerics = as_numerics(numerics)
         dtype = WEIGHT_DTYPES[weight_dtype]
         if weight_dtype == "fp4":
             if in_features % QUANT_BLOCK:
@@ -489,16 +499,18 @@ class DeepseekV41Linear(nn.Module):
             return F.linear(x, self.weight)
         if x.size(-1) != self.in_features:
             raise DeepseekV41QuantizationError(f"input has {x.size(-1)} features, the linear expects {self.in_features}")
-        if self.numerics == "exact":
+        if self.numerics.exact:
             q, s = act_quant(x)
             gemm = fp8_block_gemm if self.weight_dtype == "fp8" else fp4_block_gemm
             return gemm(q, s, self.weight, self.scale)
         _check_bf16(x, "DeepseekV41Linear")  # the same error on both paths below
-        if use_quant_linear_kernel(x):
+        plan = self.numerics
+        if use_quant_linear_kernel(x, plan.backend("quant_linear", x.device)):
             # decode-size inputs (a few rows) on CUDA: reads fp8/fp4 in place, fused fake-quant
             # (`triton_ops/quant_linear.py`); equal to the line below up to fp32 summation order
             return quantized_linear_triton(x, self.weight, self.scale, self.weight_dtype)
-        return F.linear(fake_quant_fp8(x), self.dequantized_weight(torch.bfloat16))
+        activation = fake_quant_fp8(x, backend=plan.backend("fake_quant", x.device))
+        return F.linear(activation, self.dequantized_weight(torch.bfloat16, plan.backend("dequant", x.device)))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The checkpoint stores packed fp4 as int8; re-view it so the dtype check passes.
@@ -508,7 +520,7 @@ class DeepseekV41Linear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weight_dtype={self.weight_dtype}, numerics={self.numerics}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight_dtype={self.weight_dtype}, numerics={self.numerics.mode}"
 
 
 __all__ = [

@@ -27,90 +27,43 @@ weights, which are always fp32 (the reference keeps them fp32 under `set_dtype(b
 `.to(torch.bfloat16)` would cast them too; a PreTrainedModel wrapper should keep them fp32
 (`_keep_in_fp32_modules`), and `load_state_dict(..., assign=True)` keeps the stored dtypes.
 
-RoPE implementation (`triton_ops/vision_rope.py`): the optional vision-config attribute
-`rope_backend` (``"auto"``, ``"triton"``, ``"torch"``), or `DeepseekV41VisionTransformer.
-set_rope_backend`; unset, the environment variable ``DEEPSEEK_V41_VISION_ROPE_BACKEND``, else
-auto (Triton on CUDA, torch elsewhere). Both give the same bits.
+RoPE implementation (`triton_ops/vision_rope.py`): the plan's ``vision_rope`` backend
+(`numerics_deepseek_v41_vl.py`: ``DEEPSEEK_V41_VISION_ROPE_BACKEND``, else Triton on CUDA and
+torch elsewhere). Both give the same bits.
 
-The learned image START/NEWLINE/END vectors belong to the VL model, not to this file.
+The learned image START/NEWLINE/END vectors belong to the VL model, not to this file; the
+boundary capture of the tower (for golden comparisons) is in `debug_deepseek_v41_vl.py`.
 """
 
 from __future__ import annotations
 
-import contextlib
 from functools import lru_cache
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..processing.image_spans_deepseek_v41_vl import llm_grid
-from .attention_deepseek_v41_vl import DeepseekV41RMSNorm
-from ..triton_ops.vision_rope import apply_vision_rope, resolve_backend
+from ..triton_ops.vision_rope import apply_vision_rope
 from .configuration_deepseek_v41_vl import DeepseekV41ConfigError, DeepseekV41VisionConfig
-
-# Boundaries that :func:`capture_boundaries` records, named as in golden `vision_tiny/outputs`.
-BOUNDARY_NAMES = (
-    "patches",
-    "patch_embed",
-    "rope_cos",
-    "rope_sin",
-    "block0_attn_out",
-    "block0_out",
-    "last_block_out",
-    "vit_out",
-    "aligner_unfold",
-    "aligner_out",
-)
-
+from .image_spans_deepseek_v41_vl import parse_image_grid
+from .layers_deepseek_v41_vl import DeepseekV41RMSNorm, on_device
+from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
 
 class DeepseekV41VisionInputError(ValueError):
     """`pixel_values` / `image_grid_thw` that do not describe a batch of images."""
 
 
-def parse_image_grid(
-    image_grid_thw: torch.Tensor | Sequence[Sequence[int]], num_patches: int | None = None
-) -> list[tuple[int, int]]:
-    """Per-image patch grids ``(n_vit_h, n_vit_w)`` from `image_grid_thw`.
-
-    Args:
-        image_grid_thw: int [n_images, 3] (tensor or nested sequence) of ``(t, h, w)``; t must be 1
-            (V4.1 takes still images only).
-        num_patches: when given, the total the grids must add up to (rows of `pixel_values`).
+def vision_grids(image_grid_thw: torch.Tensor | Sequence[Sequence[int]], num_patches: int) -> list[tuple[int, int]]:
+    """The patch grids of a packed batch of `num_patches` rows (:func:`parse_image_grid`).
 
     Raises:
-        DeepseekV41VisionInputError: wrong shape, t != 1, a side < 1, or a patch-count mismatch.
+        DeepseekV41VisionInputError: no image, or grids that do not describe the rows.
     """
-    rows = image_grid_thw.tolist() if isinstance(image_grid_thw, torch.Tensor) else [list(r) for r in image_grid_thw]
-    if not rows or any(len(r) != 3 for r in rows):
-        raise DeepseekV41VisionInputError(
-            f"image_grid_thw must be [n_images >= 1, 3] of (t, h, w), got {rows if len(rows) < 8 else '...'}"
-        )
-    grids = []
-    for i, (t, h, w) in enumerate(rows):
-        if int(t) != t or int(h) != h or int(w) != w:
-            raise DeepseekV41VisionInputError(f"image_grid_thw[{i}] = {(t, h, w)} must hold integers")
-        if t != 1:
-            raise DeepseekV41VisionInputError(
-                f"image_grid_thw[{i}] has t = {t}; only still images (t = 1) are supported"
-            )
-        if h < 1 or w < 1:
-            raise DeepseekV41VisionInputError(f"image_grid_thw[{i}] has an empty grid {h}x{w}")
-        grids.append((int(h), int(w)))
-    if num_patches is not None and sum(h * w for h, w in grids) != num_patches:
-        raise DeepseekV41VisionInputError(
-            f"image_grid_thw describes {sum(h * w for h, w in grids)} patches but pixel_values has {num_patches} rows"
-        )
+    grids = parse_image_grid(image_grid_thw, num_patches, error=DeepseekV41VisionInputError)
+    if not grids:
+        raise DeepseekV41VisionInputError("image_grid_thw holds no image: it must be [n_images >= 1, 3]")
     return grids
-
-
-def on_device(device: torch.device):
-    """Make `device` the current CUDA device for a block placed on another GPU by a device_map
-    (Triton kernels launch on the current device's stream, and so does a CUDA-graph replay)."""
-    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
 
 
 @lru_cache(maxsize=16)
@@ -158,8 +111,8 @@ class DeepseekV41VisionRMSNorm(DeepseekV41RMSNorm):
     Mirrors `inference/vision.py: RMSNorm` (eps `config.rms_norm_eps`, 1e-6).
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__(hidden_size, eps)
+    def __init__(self, hidden_size: int, eps: float = 1e-6, numerics: DeepseekV41Numerics | str = "exact"):
+        super().__init__(hidden_size, eps, numerics)  # the fp32 weight keeps it off the bf16 kernel
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32))
 
 
@@ -180,25 +133,23 @@ class DeepseekV41VisionAttention(nn.Module):
     """Bidirectional multi-head attention over one image, with 2D RoPE on q and k.
 
     Mirrors `inference/vision.py: Attention`: fused `wqkv` (bias) split q | k | v, RoPE through
-    :func:`apply_vision_rope` (backend `rope_backend`: ``None`` = environment / auto), SDPA with
-    the default scale head_dim^-0.5 and no mask, `wo` (bias).
+    :func:`apply_vision_rope` (the plan's ``vision_rope`` backend), SDPA with the default scale
+    head_dim^-0.5 and no mask, `wo` (bias).
     """
 
-    def __init__(self, config: DeepseekV41VisionConfig):
+    def __init__(self, config: DeepseekV41VisionConfig, numerics: DeepseekV41Numerics | str = "fast"):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.head_dim = config.head_dim
         self.wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.wo = nn.Linear(config.hidden_size, config.hidden_size)
-        self.rope_backend: str | None = getattr(config, "rope_backend", None)
-        if self.rope_backend is not None:
-            resolve_backend(self.rope_backend, torch.device("cpu"))  # a bad name fails here, not mid-forward
+        self.numerics = as_numerics(numerics)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """hidden_states [N, D] of one image, cos/sin fp32 [N, 1, head_dim/2] -> [N, D]."""
         n = hidden_states.shape[0]
         q, k, v = (t.view(n, self.num_heads, self.head_dim) for t in self.wqkv(hidden_states).chunk(3, dim=-1))
-        q, k = apply_vision_rope(q, k, cos, sin, backend=self.rope_backend)
+        q, k = apply_vision_rope(q, k, cos, sin, backend=self.numerics.backend("vision_rope", q.device))
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, N, head_dim], as the reference
         if q.is_cuda:
             # PyTorch's fused (flash / memory-efficient) SDPA kernels take only 4-D inputs; a 3-D
@@ -229,11 +180,12 @@ class DeepseekV41VisionMLP(nn.Module):
 class DeepseekV41VisionBlock(nn.Module):
     """Pre-norm block: x + attn(norm1(x)), then + mlp(norm2(x)). Mirrors `inference/vision.py: Block`."""
 
-    def __init__(self, config: DeepseekV41VisionConfig):
+    def __init__(self, config: DeepseekV41VisionConfig, numerics: DeepseekV41Numerics | str = "fast"):
         super().__init__()
-        self.norm1 = DeepseekV41VisionRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = DeepseekV41VisionAttention(config)
-        self.norm2 = DeepseekV41VisionRMSNorm(config.hidden_size, config.rms_norm_eps)
+        numerics = as_numerics(numerics)
+        self.norm1 = DeepseekV41VisionRMSNorm(config.hidden_size, config.rms_norm_eps, numerics)
+        self.attn = DeepseekV41VisionAttention(config, numerics)
+        self.norm2 = DeepseekV41VisionRMSNorm(config.hidden_size, config.rms_norm_eps, numerics)
         self.mlp = DeepseekV41VisionMLP(config)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -246,28 +198,18 @@ class DeepseekV41VisionTransformer(nn.Module):
     """The ViT: patch stem, `num_hidden_layers` blocks with 2D RoPE, final RMSNorm.
 
     Mirrors `inference/vision.py: ViT` (checkpoint prefix `vision.`), looped over the images of
-    a packed batch.
+    a packed batch. `numerics`: the model's plan (its ``vision_rope`` backend; the tower's other
+    ops have one implementation).
     """
 
-    def __init__(self, config: DeepseekV41VisionConfig):
+    def __init__(self, config: DeepseekV41VisionConfig, numerics: DeepseekV41Numerics | str = "fast"):
         super().__init__()
         self.config = config
+        numerics = as_numerics(numerics)
         self.patch_embed = DeepseekV41VisionPatchEmbed(config)
         self.rotary_emb = DeepseekV41VisionRotaryEmbedding(config)
-        self.blocks = nn.ModuleList(DeepseekV41VisionBlock(config) for _ in range(config.num_hidden_layers))
-        self.norm = DeepseekV41VisionRMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def set_rope_backend(self, backend: str | None) -> None:
-        """Pick the RoPE implementation of every block: ``"auto"``, ``"triton"``, ``"torch"``,
-        or `None` (the environment variable ``DEEPSEEK_V41_VISION_ROPE_BACKEND``, else auto).
-
-        Raises:
-            VisionRopeError: an unknown name.
-        """
-        if backend is not None:
-            resolve_backend(backend, torch.device("cpu"))  # validates the name
-        for block in self.blocks:
-            block.attn.rope_backend = backend
+        self.blocks = nn.ModuleList(DeepseekV41VisionBlock(config, numerics) for _ in range(config.num_hidden_layers))
+        self.norm = DeepseekV41VisionRMSNorm(config.hidden_size, config.rms_norm_eps, numerics)
 
     def forward_image(self, patches: torch.Tensor, n_h: int, n_w: int) -> torch.Tensor:
         """One image: patches [n_h * n_w, 588] in the model dtype -> [n_h * n_w, hidden_size]."""
@@ -295,7 +237,7 @@ class DeepseekV41VisionTransformer(nn.Module):
             DeepseekV41VisionInputError: malformed `pixel_values` or `image_grid_thw`.
         """
         patches = self.check_pixel_values(pixel_values)
-        grids = parse_image_grid(image_grid_thw, patches.shape[0])
+        grids = vision_grids(image_grid_thw, patches.shape[0])
         chunks = patches.split([h * w for h, w in grids])
         return torch.cat([self.forward_image(x, h, w) for x, (h, w) in zip(chunks, grids)])
 
@@ -363,122 +305,12 @@ class DeepseekV41VisionAligner(nn.Module):
         Raises:
             DeepseekV41VisionInputError: `image_grid_thw` does not match the row count.
         """
-        grids = parse_image_grid(image_grid_thw, hidden_states.shape[0])
+        grids = vision_grids(image_grid_thw, hidden_states.shape[0])
         chunks = hidden_states.split([h * w for h, w in grids])
         return torch.cat([self.forward_image(x, h, w) for x, (h, w) in zip(chunks, grids)])
 
 
-class DeepseekV41VisionTower(nn.Module):
-    """ViT + aligner, as `Transformer.encode_image` of `inference/model.py` runs them.
-
-    State-dict keys are the checkpoint's: `vision.*` and `aligner.*`.
-    """
-
-    def __init__(self, config: DeepseekV41VisionConfig):
-        super().__init__()
-        self.config = config
-        self.vision = DeepseekV41VisionTransformer(config)
-        self.aligner = DeepseekV41VisionAligner(config)
-
-    def llm_grids(self, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> list[tuple[int, int]]:
-        """Per image, the aligner grid (n_llm_h, n_llm_w); its product is the image's row count
-        in :meth:`forward`'s output."""
-        return [llm_grid(h, w, self.config.downsample_ratio) for h, w in parse_image_grid(image_grid_thw)]
-
-    def forward(
-        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]
-    ) -> torch.Tensor:
-        """Image embeddings for the LM.
-
-        Args:
-            pixel_values: [total_patches, 3 * patch^2], float (cast to the weights' dtype).
-            image_grid_thw: int [n_images, 3], rows (1, n_vit_h, n_vit_w).
-
-        Returns:
-            [sum_i n_llm_h_i * n_llm_w_i, out_hidden_size] in the weights' dtype; image i's rows
-            are row-major over its (n_llm_h, n_llm_w) grid (see :meth:`llm_grids`).
-
-        Raises:
-            DeepseekV41VisionInputError: malformed `pixel_values` or `image_grid_thw`.
-        """
-        patches = self.vision.check_pixel_values(pixel_values)
-        grids = parse_image_grid(image_grid_thw, patches.shape[0])
-        chunks = patches.split([h * w for h, w in grids])
-        return torch.cat(
-            [self.aligner.forward_image(self.vision.forward_image(x, h, w), h, w) for x, (h, w) in zip(chunks, grids)]
-        )
-
-
-def _find_one(model: nn.Module, cls: type) -> nn.Module | None:
-    found = [m for m in model.modules() if isinstance(m, cls)]
-    if len(found) > 1:
-        raise ValueError(f"capture_boundaries: {len(found)} {cls.__name__} modules found, expected at most one")
-    return found[0] if found else None
-
-
-@contextlib.contextmanager
-def capture_boundaries(model: nn.Module) -> Iterator[dict[str, list[torch.Tensor]]]:
-    """Record the vision boundaries of every forward run inside the ``with`` block.
-
-    Works on a :class:`DeepseekV41VisionTower`, a bare ViT or aligner, or any model holding one
-    of each. Forward hooks are registered on entry and removed on exit, so the model pays nothing
-    outside the block.
-
-    Yields:
-        dict boundary name -> list of tensors, one per image in call order (detached, not
-        copied). Names (:data:`BOUNDARY_NAMES`): ``patches`` ([N, 588] in the weights' dtype,
-        input of the stem), ``patch_embed``, ``rope_cos``, ``rope_sin``,
-        ``block0_attn_out`` (after `wo`, before the residual add), ``block0_out``,
-        ``last_block_out`` (input of the final norm), ``vit_out``, ``aligner_unfold`` (input of
-        `aligner.w1`), ``aligner_out``.
-
-    Raises:
-        ValueError: the model holds neither a ViT nor an aligner, or several of one.
-    """
-    vision = _find_one(model, DeepseekV41VisionTransformer)
-    aligner = _find_one(model, DeepseekV41VisionAligner)
-    if vision is None and aligner is None:
-        raise ValueError("capture_boundaries: the model holds no DeepseekV41 vision tower or aligner")
-    records: dict[str, list[torch.Tensor]] = {}
-
-    def record(*names: str):
-        def hook(_module, _inputs, output):
-            outputs = output if isinstance(output, tuple) else (output,)
-            for name, tensor in zip(names, outputs):
-                records.setdefault(name, []).append(tensor.detach())
-
-        return hook
-
-    def record_input(_module, inputs):
-        records.setdefault("patches", []).append(inputs[0].detach())
-
-    sites: list[tuple[nn.Module, tuple[str, ...]]] = []
-    if vision is not None:
-        sites += [
-            (vision.patch_embed, ("patch_embed",)),
-            (vision.rotary_emb, ("rope_cos", "rope_sin")),
-            (vision.norm, ("vit_out",)),
-        ]
-        if len(vision.blocks):
-            sites += [
-                (vision.blocks[0].attn, ("block0_attn_out",)),
-                (vision.blocks[0], ("block0_out",)),
-                (vision.blocks[-1], ("last_block_out",)),
-            ]
-    if aligner is not None:
-        sites += [(aligner.unfold, ("aligner_unfold",)), (aligner.w2, ("aligner_out",))]
-    handles = [module.register_forward_hook(record(*names)) for module, names in sites]
-    if vision is not None:
-        handles.append(vision.patch_embed.register_forward_pre_hook(record_input))
-    try:
-        yield records
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 __all__ = [
-    "BOUNDARY_NAMES",
     "DeepseekV41VisionAligner",
     "DeepseekV41VisionAttention",
     "DeepseekV41VisionBlock",
@@ -488,10 +320,7 @@ __all__ = [
     "DeepseekV41VisionPatchUnfold",
     "DeepseekV41VisionRMSNorm",
     "DeepseekV41VisionRotaryEmbedding",
-    "DeepseekV41VisionTower",
     "DeepseekV41VisionTransformer",
-    "capture_boundaries",
-    "llm_grid",
-    "parse_image_grid",
+    "vision_grids",
     "vision_rope_tables",
 ]

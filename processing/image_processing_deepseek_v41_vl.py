@@ -40,8 +40,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
 from transformers.processing_utils import ImagesKwargs
 
-from .image_spans_deepseek_v41_vl import image_span_length
-from .image_spans_deepseek_v41_vl import llm_grid as llm_grid_from_vit_grid  # ceil(n_vit / ratio) per side
+from ..modeling.image_spans_deepseek_v41_vl import image_span_length, llm_grid, parse_image_grid
+from .remote_code_deepseek_v41_vl import ProcessorSaveMixin, register_for_auto_class
 from .errors_deepseek_v41_vl import (
     DeepseekV41ImageError,
     DeepseekV41ImagePlanError,
@@ -90,14 +90,6 @@ class ImagePlan:
     def num_patches(self) -> int:
         """Rows of `pixel_values` this image contributes: n_vit_h * n_vit_w."""
         return self.n_vit_h * self.n_vit_w
-
-
-def _llm_grid(best_height, best_width, patch_size, downsample_ratio):
-    # Same float expression as the reference's `llm_grid`.
-    return (
-        math.ceil((best_height // patch_size) / downsample_ratio),
-        math.ceil((best_width // patch_size) / downsample_ratio),
-    )
 
 
 def _solve_resize_ratio(height, width, patch_size, downsample_ratio, max_image_tokens):
@@ -185,10 +177,11 @@ def plan_image_grid(
     best_width = math.ceil(width / p) * p
     best_height = math.ceil(height / p) * p
 
-    n_llm_h, n_llm_w = _llm_grid(best_height, best_width, p, downsample_ratio)
+    # the reference's `llm_grid` of the patch grid (its float ceil equals the integer one here)
+    n_llm_h, n_llm_w = llm_grid(best_height // p, best_width // p, downsample_ratio)
     if image_span_length(n_llm_h, n_llm_w) > max_image_tokens:
         best_height, best_width = _solve_resize_ratio(height, width, p, downsample_ratio, max_image_tokens)
-        n_llm_h, n_llm_w = _llm_grid(best_height, best_width, p, downsample_ratio)
+        n_llm_h, n_llm_w = llm_grid(best_height // p, best_width // p, downsample_ratio)
     num_tokens = image_span_length(n_llm_h, n_llm_w)
     if num_tokens > max_image_tokens or best_height <= 0 or best_width <= 0:
         raise DeepseekV41ImagePlanError(
@@ -439,7 +432,7 @@ _SETTINGS = (
 )
 
 
-class DeepseekV41ImageProcessor(BaseImageProcessor):
+class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
     r"""Image processor of DeepSeek-V4.1-Flash; mirrors `inference/image_processor.py`.
 
     Built with no arguments it has the released checkpoint's settings; build it from a model config
@@ -476,6 +469,8 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
         image_grid_thw: int64 [n_images, 3] = (1, n_vit_h, n_vit_w).
         image_llm_grid_hw: int64 [n_images, 2] = (n_llm_h, n_llm_w).
     """
+
+    remote_code_auto_classes = ("AutoImageProcessor",)
 
     valid_kwargs = DeepseekV41ImageProcessorKwargs
     model_input_names = ["pixel_values", "image_grid_thw", "image_llm_grid_hw"]
@@ -552,14 +547,16 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
         """Span length per image from `image_grid_thw` rows (1, n_vit_h, n_vit_w):
         n_llm_h * (n_llm_w + 1) + 2 with n_llm = ceil(n_vit / downsample_ratio).
         """
-        return [
-            image_span_length(*llm_grid_from_vit_grid(int(h), int(w), self.downsample_ratio))
-            for _, h, w in _rows(image_grid_thw)
-        ]
+        return [image_span_length(n_h, n_w) for n_h, n_w in self.llm_grid_from_grid(image_grid_thw)]
 
     def llm_grid_from_grid(self, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]) -> list[tuple[int, int]]:
-        """(n_llm_h, n_llm_w) per image from `image_grid_thw` rows (1, n_vit_h, n_vit_w)."""
-        return [llm_grid_from_vit_grid(int(h), int(w), self.downsample_ratio) for _, h, w in _rows(image_grid_thw)]
+        """(n_llm_h, n_llm_w) per image from `image_grid_thw` rows (1, n_vit_h, n_vit_w).
+
+        Raises:
+            DeepseekV41ProcessingError: a malformed `image_grid_thw` (`parse_image_grid`).
+        """
+        grids = parse_image_grid(image_grid_thw, error=DeepseekV41ProcessingError)
+        return [llm_grid(h, w, self.downsample_ratio) for h, w in grids]
 
     def _plan_settings(self, settings: dict[str, Any] | None = None) -> dict[str, Any]:
         s = settings or self._settings()
@@ -663,10 +660,10 @@ class DeepseekV41ImageProcessor(BaseImageProcessor):
         return output
 
 
-# `save_pretrained` writes `auto_map` {"AutoImageProcessor": ...} and copies this module (and its
-# relative imports) next to preprocessor_config.json, so the folder loads with
+# `save_pretrained` writes `auto_map` {"AutoImageProcessor": ...} and the remote code next to
+# preprocessor_config.json (`remote_code_deepseek_v41_vl.py` says how), so the folder loads with
 # `AutoImageProcessor.from_pretrained(..., trust_remote_code=True)` without this package.
-DeepseekV41ImageProcessor.register_for_auto_class("AutoImageProcessor")
+register_for_auto_class(DeepseekV41ImageProcessor, "AutoImageProcessor")
 
 
 def _integer(name: str, value: Any, minimum: int | None = None) -> int:
@@ -751,31 +748,10 @@ def _flatten(images) -> list:
     return [images]
 
 
-def _rows(image_grid_thw) -> list[tuple[int, int, int]]:
-    """Rows (t, h, w) of a 2-D `image_grid_thw` [n_images, 3] (tensor, array or nested lists)."""
-    rows = image_grid_thw.tolist() if hasattr(image_grid_thw, "tolist") else image_grid_thw
-    if isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence):
-        raise DeepseekV41ProcessingError(f"image_grid_thw must be [n_images, 3] rows (t, h, w), got {rows!r}")
-    out = []
-    for row in rows:
-        # A lone row (t, h, w) is refused rather than guessed at: the result is one entry per image.
-        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) or len(row) != 3:
-            raise DeepseekV41ProcessingError(
-                f"image_grid_thw must be 2-D [n_images, 3] with rows (t, h, w), got row {row!r}"
-                + ("; for one image pass [[t, h, w]]" if not isinstance(row, Sequence) else "")
-            )
-        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0 for v in row):
-            raise DeepseekV41ProcessingError(f"image_grid_thw values must be positive integers, got row {row!r}")
-        out.append(tuple(int(v) for v in row))
-    return out
-
-
 __all__ = [
     "DEFAULT_MAX_IMAGE_PIXELS",
     "DeepseekV41ImageProcessor",
     "ImagePlan",
-    "image_span_length",
-    "llm_grid_from_vit_grid",
     "load_image",
     "normalize_and_patchify",
     "plan_image_grid",

@@ -49,8 +49,9 @@ from .encoding_deepseek_v41_vl import (
     parse_completion,
     parse_tagged_text,
 )
-from .image_spans_deepseek_v41_vl import image_span_roles
-from .image_spans_deepseek_v41_vl import image_token_roles as _image_token_roles
+from ..modeling.image_spans_deepseek_v41_vl import image_span_roles
+from ..modeling.image_spans_deepseek_v41_vl import image_token_roles as _image_token_roles
+from .remote_code_deepseek_v41_vl import ProcessorSaveMixin, register_for_auto_class
 from .errors_deepseek_v41_vl import DeepseekV41ProcessorError
 from .image_processing_deepseek_v41_vl import DeepseekV41ImageProcessor
 
@@ -210,7 +211,7 @@ def _normalized_conversations(conversation: Any) -> tuple[list[list[dict[str, An
     return out, batched
 
 
-class DeepseekV41Processor(ProcessorMixin):
+class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
     r"""Processor of DeepSeek-V4.1-Flash: a tokenizer, a :class:`DeepseekV41ImageProcessor` and the
     V4.1 chat template.
 
@@ -224,6 +225,8 @@ class DeepseekV41Processor(ProcessorMixin):
             `image_token_id`).
         padding_side (`str`, defaults to "left"): side batches are padded on.
     """
+
+    remote_code_auto_classes = ("AutoProcessor", "AutoImageProcessor")
 
     return_mm_token_type_ids = True
 
@@ -624,11 +627,10 @@ class DeepseekV41Processor(ProcessorMixin):
         return self.tokenizer.batch_decode(generated_outputs, skip_special_tokens=skip_special_tokens, **kwargs)
 
 
-# `save_pretrained` writes `auto_map` {"AutoProcessor": ...} to processor_config.json and copies
-# this module and its relative imports, so `AutoProcessor.from_pretrained(..., trust_remote_code=True)`
-# finds the class; with this package imported, `auto_registration_deepseek_v41_vl.register_auto_classes`
-# makes `AutoProcessor` find it without remote code.
-DeepseekV41Processor.register_for_auto_class("AutoProcessor")
+# `save_pretrained` writes `auto_map` {"AutoProcessor": ...} to processor_config.json and the remote
+# code next to it (`remote_code_deepseek_v41_vl.py` says how), so the folder loads with
+# `AutoProcessor.from_pretrained(..., trust_remote_code=True)` without this package.
+register_for_auto_class(DeepseekV41Processor, "AutoProcessor")
 
 
 __all__ = ["DeepseekV41Processor", "image_span_roles", "image_token_roles"]

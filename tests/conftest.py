@@ -8,14 +8,17 @@ tests are the point of the suite.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
 
-# Triton picks interpreter or compiler when a kernel is *defined*, and transformers imports triton
-# early. Without a GPU every Triton test runs in the interpreter, so the switch is set here, before
-# any test module (or transformers) imports triton; the tests then do not depend on their order.
-if not torch.cuda.is_available():
+# The one place TRITON_INTERPRET is set. Triton picks interpreter or compiler when a kernel is
+# *defined*, and transformers imports triton early, so it is set here, before any test module (or
+# transformers) imports triton; the tests then do not depend on their order. Every Triton test on
+# CPU tensors runs in the interpreter; only the GPU run (`pytest -m cuda tests/test_gpu.py`, its
+# own process) needs the compiled kernels, and gets them when CUDA is present.
+if not (torch.cuda.is_available() and any(arg.endswith("test_gpu.py") for arg in sys.argv)):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
@@ -35,6 +38,17 @@ def golden_dir() -> Path:
 @pytest.fixture(scope="session")
 def golden() -> Path:
     return golden_dir()
+
+
+@pytest.fixture(scope="session")
+def converted_tiny_fp8(golden, tmp_path_factory) -> Path:
+    """The golden `model_tiny_fp8` through a default `convert_checkpoint`, once per session.
+    Read-only: a test that changes a converted folder converts its own."""
+    from deepseek_v41_vl.conversion.convert import convert_checkpoint
+
+    dst = tmp_path_factory.mktemp("converted") / "tiny_fp8"
+    convert_checkpoint(golden / "model_tiny_fp8", dst, progress=False)
+    return dst
 
 
 @pytest.fixture(scope="module")

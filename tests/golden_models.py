@@ -22,11 +22,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
+from torch import nn
 
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
 from deepseek_v41_vl.modeling.engram_deepseek_v41_vl import build_compressed_token_map
 from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import DeepseekV41Transformer
+from deepseek_v41_vl.modeling.image_spans_deepseek_v41_vl import llm_grid, parse_image_grid
+from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
 from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import dequantize_fp8_weight
+from deepseek_v41_vl.modeling.vision_deepseek_v41_vl import DeepseekV41VisionAligner, DeepseekV41VisionTransformer
 
 VARIANTS = ("model_tiny_bf16", "model_tiny_fp8")
 RUNS = ("vl", "text")
@@ -112,3 +116,23 @@ def run_inputs(golden: Path, variant: str, run: str, device="cpu") -> tuple[dict
     """(golden tensors of the run, model inputs of its prefill), both on `device`."""
     tensors = golden_run(golden, variant, run, device)
     return tensors, prefill_inputs(golden, variant, run, tensors, device)
+
+
+class VisionTower(nn.Module):
+    """The ViT and the aligner composed as `inference/model.py: Transformer.encode_image` runs
+    them, for tests of the vision part alone (the golden `vision_tiny` checkpoint holds only
+    `vision.*` and `aligner.*`). The VL model holds the same two modules as `model.vision` and
+    `model.aligner`; this holder adds nothing to them.
+    """
+
+    def __init__(self, config, numerics: DeepseekV41Numerics | str = "fast"):
+        super().__init__()
+        self.config = config
+        self.vision = DeepseekV41VisionTransformer(config, as_numerics(numerics))
+        self.aligner = DeepseekV41VisionAligner(config)
+
+    def llm_grids(self, image_grid_thw) -> list[tuple[int, int]]:
+        return [llm_grid(h, w, self.config.downsample_ratio) for h, w in parse_image_grid(image_grid_thw)]
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw) -> torch.Tensor:
+        return self.aligner(self.vision(pixel_values, image_grid_thw), image_grid_thw)

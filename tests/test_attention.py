@@ -13,18 +13,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import deepseek_v41_vl.modeling.attention_deepseek_v41_vl as attention_module
-from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import (
-    DeepseekV41Attention,
-    DeepseekV41AttentionError,
+import deepseek_v41_vl.modeling.numerics_deepseek_v41_vl as numerics_module
+from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41Attention
+from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41AttentionError
+from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import (
     DeepseekV41AttentionState,
-    DeepseekV41RMSNorm,
-    select_candidate_blocks,
-    sparse_attention,
     window_topk_idxs,
 )
+from deepseek_v41_vl.modeling.layers_deepseek_v41_vl import DeepseekV41RMSNorm
+from deepseek_v41_vl.modeling.indexer_deepseek_v41_vl import select_candidate_blocks
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config, DeepseekV41TextConfig
 from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import DeepseekV41Linear, dequantize_fp8_weight
+from deepseek_v41_vl.triton_ops.sparse_attention import sparse_attention as sparse_attention_op
 from deepseek_v41_vl.modeling.rope_deepseek_v41_vl import (
     DeepseekV41RopeError,
     DeepseekV41RotaryEmbedding,
@@ -144,13 +144,13 @@ def test_sparse_attention_against_float64():
     idxs = torch.randint(0, n, (b, m, 130), generator=gen, dtype=torch.int32)  # 3 blocks of <= 64
     idxs[0, 1, ::3] = -1
     idxs[1, 2] = -1  # no valid index: output 0
-    out = sparse_attention(q, kv, sink, idxs, d**-0.5)
+    out = sparse_attention_op(q, kv, idxs, sink, d**-0.5, backend="torch")
     assert out.dtype == torch.bfloat16 and out.shape == (b, m, h, d)
     want = _naive_attention(q, kv, sink, idxs, d**-0.5)
     assert torch.equal(out[1, 2], torch.zeros(h, d, dtype=torch.bfloat16))
     assert torch.allclose(out.double(), want, atol=2e-2, rtol=2e-2)
     # the sink only adds to the denominator: a huge sink drives the output to 0
-    assert sparse_attention(q, kv, torch.full((h,), 80.0), idxs, d**-0.5).abs().max() < 1e-6
+    assert sparse_attention_op(q, kv, idxs, torch.full((h,), 80.0), d**-0.5, backend="torch").abs().max() < 1e-6
 
 
 def test_sparse_attention_rounds_probabilities_per_64_block():
@@ -171,7 +171,7 @@ def test_sparse_attention_rounds_probabilities_per_64_block():
     idxs = torch.full((1, 2, 65), -1, dtype=torch.int32)
     idxs[0, 0] = torch.arange(65)  # rows 0..63 in block 1, row 64 in block 2
     idxs[0, 1, 0], idxs[0, 1, 1] = 0, 65  # both in block 1
-    out = sparse_attention(q, kv, torch.tensor([-100.0]), idxs, 1.0)
+    out = sparse_attention_op(q, kv, idxs, torch.tensor([-100.0]), 1.0, backend="torch")
     # same block: bf16(e^-1) * 1 - bf16(e^-1) = 0 exactly
     assert out[0, 1, 0, 1].item() == 0.0
     # two blocks: block 1 had probabilities exactly 1, rescaled by fp32 e^-1 afterwards
@@ -194,10 +194,11 @@ def test_rmsnorm_fp32_compute():
 def _golden_layers(golden, variant: str, numerics: str):
     config = DeepseekV41Config.from_reference_args(golden / variant / "config.json", numerics=numerics).text_config
     ck = load_file(golden / variant / "model.safetensors")
-    weight_dtype = "fp8" if ck["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn else "bf16"
+    want = "fp8" if ck["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn else "bf16"
+    assert config.weight_dtype == want  # the storage comes from the config alone
     layers = []
     for i in range(config.num_hidden_layers):
-        attn = DeepseekV41Attention(config, i, weight_dtype)
+        attn = DeepseekV41Attention(config, i)
         state = {}
         # golden README section 6, "Converting to module dtypes"
         for name, param in attn.state_dict().items():
@@ -258,7 +259,7 @@ def test_teacher_forced_prefill_is_bit_exact(golden, variant, run):
 
 def test_teacher_forced_prefill_fast_numerics_is_close(golden, monkeypatch):
     # a tiny element budget forces the query-chunked paths of the fast mode
-    monkeypatch.setattr(attention_module, "FAST_MAX_ELEMENTS", 50_000)
+    monkeypatch.setattr(numerics_module, "FAST_MAX_ELEMENTS", 50_000)
     config, gold, state, outs = _run_teacher_forced(golden, "model_tiny_fp8", "vl", "fast")
     for i in range(config.num_hidden_layers):
         want = gold[f"prefill.attn_out.{i}"].float()
@@ -298,6 +299,8 @@ def _tiny_config(ratios, kv_sources, index_sources, candidate_source, index_topk
         engram_num_embeddings=[],
         dspark_noise_token_id=0,
         numerics="exact",
+        weight_dtype="bf16",
+        expert_weight_dtype="bf16",
         compress_rope_scaling={"factor": 4, "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 32},
     )
 
@@ -306,7 +309,7 @@ def _random_layers(config, seed=0):
     gen = torch.Generator().manual_seed(seed)
     layers = []
     for i in range(config.num_hidden_layers):
-        attn = DeepseekV41Attention(config, i, "bf16")
+        attn = DeepseekV41Attention(config, i)
         for module in attn.modules():
             if isinstance(module, DeepseekV41Linear):
                 w = torch.randn(module.out_features, module.in_features, generator=gen) * module.in_features**-0.5

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import deepseek_v41_vl.modeling.attention_deepseek_v41_vl as attention_module
-from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import (
-    DeepseekV41AttentionState,
+import deepseek_v41_vl.modeling.numerics_deepseek_v41_vl as numerics_module
+from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState
+from deepseek_v41_vl.modeling.indexer_deepseek_v41_vl import (
     candidate_block_ids,
     candidate_mask_from_blocks,
     select_candidate_blocks,
@@ -84,7 +84,7 @@ def test_fast_unchunked_equals_exact_and_keeps_block_ids():
 def test_chunked_fast_paths_match_unchunked(monkeypatch):
     config, _, _, whole, whole_outs = _run("fast")
     # a tiny budget: indexer chunks of 3 queries, compressor chunks of one group, q path 2 rows
-    monkeypatch.setattr(attention_module, "FAST_MAX_ELEMENTS", 600)
+    monkeypatch.setattr(numerics_module, "FAST_MAX_ELEMENTS", 600)
     _, _, _, chunked, chunked_outs = _run("fast")
     for src in config.kv_source_layer_ids:
         a, b = whole.cache.layer(src), chunked.cache.layer(src)
@@ -116,7 +116,7 @@ def test_chunked_fast_paths_match_unchunked(monkeypatch):
 @pytest.mark.parametrize("budget", [1 << 26, 600])
 def test_fast_decode_steps_match_fast_prefill(monkeypatch, budget):
     """Prefill then one-token steps (candidate blocks handed down per step) against one prefill."""
-    monkeypatch.setattr(attention_module, "FAST_MAX_ELEMENTS", budget)
+    monkeypatch.setattr(numerics_module, "FAST_MAX_ELEMENTS", budget)
     config = _tiny_config([0, 2, 1, 1, 1], [1, 2], [1, 2, 3], 2, index_topk=64, candidate_blocks=64)
     config.numerics = "fast"
     layers = _random_layers(config)

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import os
 
-# The model and the bundled kernels import Triton, which picks its CPU interpreter only if this is
-# set before its first import in the session (see tests/test_model_golden.py).
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import ast
 import importlib
@@ -28,7 +25,6 @@ from deepseek_v41_vl.conversion.bundle import (
     rewrite_imports,
     source_folders,
 )
-from deepseek_v41_vl.conversion.convert import convert_checkpoint
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -84,14 +80,15 @@ def test_bundle_copies_the_closure_flat_and_writes_auto_map(golden, tmp_path):
         "errors_deepseek_v41_vl.py",
         "encoding_deepseek_v41_vl.py",
         "tokenizer_deepseek_v41_vl.py",
-        "load_time.py",
-        "checkpoint_names.py",
+        "state_dict_adapter_deepseek_v41_vl.py",
+        "checkpoint_names_deepseek_v41_vl.py",
+        "remote_code_deepseek_v41_vl.py",
         "quantization_deepseek_v41_vl.py",
     ):
         assert required in files
     assert not any(name in files for name in ("bundle.py", "convert.py", "__init__.py", "make_tiny.py"))
     assert {f for f in files if _parent_imports(folder / f)} == set()
-    assert (folder / "load_time.py").read_text().count("from .quantization_deepseek_v41_vl import") == 1
+    assert (folder / "image_processing_deepseek_v41_vl.py").read_text().count("from .image_spans_deepseek_v41_vl import") == 1
     config = json.loads((folder / "config.json").read_text())
     assert config["auto_map"] == result["auto_map"]
     modeling = importlib.import_module("deepseek_v41_vl.modeling.modeling_deepseek_v41_vl") if (
@@ -124,8 +121,8 @@ def test_bundled_files_import_as_a_flat_package(golden, tmp_path):
         configuration = importlib.import_module("bundled_dsv41.configuration_deepseek_v41_vl")
         image_processing = importlib.import_module("bundled_dsv41.image_processing_deepseek_v41_vl")
         processing = importlib.import_module("bundled_dsv41.processing_deepseek_v41_vl")
-        names = importlib.import_module("bundled_dsv41.checkpoint_names")
-        load_time = importlib.import_module("bundled_dsv41.load_time")
+        names = importlib.import_module("bundled_dsv41.checkpoint_names_deepseek_v41_vl")
+        load_time = importlib.import_module("bundled_dsv41.state_dict_adapter_deepseek_v41_vl")
         assert configuration.DeepseekV41Config.__module__ == "bundled_dsv41.configuration_deepseek_v41_vl"
         config = configuration.DeepseekV41Config.from_reference_args(golden / "model_tiny_fp8" / "config.json")
         meta = json.loads((golden / "model_tiny_fp8" / "meta.json").read_text())
@@ -153,7 +150,7 @@ def test_triton_ops_imports_are_rewritten_and_importable(golden, tmp_path):
         shutil.copytree(folder, folders[key], ignore=shutil.ignore_patterns("__pycache__"))
     (folders["modeling"] / "modeling_deepseek_v41_vl.py").write_text(
         "from .moe_deepseek_v41_vl import DeepseekV41MoE\n"
-        "from .vision_deepseek_v41_vl import DeepseekV41VisionTower\n"
+        "from .vision_deepseek_v41_vl import DeepseekV41VisionTransformer\n"
         "DeepseekV41Model = DeepseekV41MoE\n"
     )
     dst = _config_folder(tmp_path, golden)
@@ -180,7 +177,10 @@ def _synthetic(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
     folders = {key: tmp_path / "syn" / key for key in ("modeling", "processing", "triton_ops", "conversion")}
     for folder in folders.values():
         folder.mkdir(parents=True)
-    (folders["modeling"] / "configuration_deepseek_v41_vl.py").write_text("class DeepseekV41Config:\n    pass\n")
+    # the configuration module imports `modeling/adapter.py`, so the cases below sit in the closure
+    (folders["modeling"] / "configuration_deepseek_v41_vl.py").write_text(
+        "from .adapter import *\nclass DeepseekV41Config:\n    pass\n"
+    )
     for path, text in files.items():
         key, name = path.split("/")
         (folders[key] / name).write_text(text)
@@ -190,14 +190,14 @@ def _synthetic(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
 @pytest.mark.parametrize(
     "files, message",
     [
-        ({"conversion/load_time.py": "from ..elsewhere.thing import x\n"}, "unsupported import 'from ..elsewhere.thing import"),
-        ({"conversion/load_time.py": "from ... import x\n"}, "unsupported import"),
-        ({"conversion/load_time.py": "from deepseek_v41_vl.modeling import x\n"}, "absolute import from deepseek_v41_vl.modeling"),
-        ({"conversion/load_time.py": "import deepseek_v41_vl.conversion\n"}, "absolute import of deepseek_v41_vl.conversion"),
-        ({"conversion/load_time.py": "from .nowhere_module import x\n"}, "imports nowhere_module from conversion, which does not exist"),
+        ({"modeling/adapter.py": "from ..elsewhere.thing import x\n"}, "unsupported import 'from ..elsewhere.thing import"),
+        ({"modeling/adapter.py": "from ... import x\n"}, "unsupported import"),
+        ({"modeling/adapter.py": "from deepseek_v41_vl.modeling import x\n"}, "absolute import from deepseek_v41_vl.modeling"),
+        ({"modeling/adapter.py": "import deepseek_v41_vl.conversion\n"}, "absolute import of deepseek_v41_vl.conversion"),
+        ({"modeling/adapter.py": "from .nowhere_module import x\n"}, "imports nowhere_module from modeling, which does not exist"),
         (
-            {"conversion/load_time.py": "from .shared_name import x\nfrom ..triton_ops.shared_name import y\n",
-             "conversion/shared_name.py": "x = 1\n", "triton_ops/shared_name.py": "y = 2\n"},
+            {"modeling/adapter.py": "from .shared_name import x\nfrom ..triton_ops.shared_name import y\n",
+             "modeling/shared_name.py": "x = 1\n", "triton_ops/shared_name.py": "y = 2\n"},
             r"same name in several folders cannot be bundled flat: \['shared_name'\]",
         ),
     ],
@@ -216,9 +216,8 @@ def test_bundle_needs_a_config(tmp_path):
         bundle_remote_code(tmp_path)
 
 
-def test_transformers_loads_the_converted_folder_with_remote_code(golden, tmp_path):
-    dst = tmp_path / "converted"
-    convert_checkpoint(golden / "model_tiny_fp8", dst, progress=False)
+def test_transformers_loads_the_converted_folder_with_remote_code(golden, converted_tiny_fp8, tmp_path):
+    dst = converted_tiny_fp8
     probe = textwrap.dedent(
         """
         import sys

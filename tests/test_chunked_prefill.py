@@ -30,17 +30,19 @@ import json
 import pytest
 import torch
 
-from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import (
-    DeepseekV41AttentionCache,
-    DeepseekV41AttentionError,
+from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41AttentionCache
+from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41AttentionError
+from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import (
     DeepseekV41AttentionState,
     chunk_window_idxs,
     window_topk_idxs,
 )
 from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
-from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import DeepseekV41ModelError, capture_intermediates
+from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41ModelError
+from deepseek_v41_vl.modeling.debug_deepseek_v41_vl import capture_intermediates
 
 from golden_models import DECODE_STEPS, VARIANTS, golden_model, run_inputs
+from helpers import rel_l2
 
 # README "Recommendations", 3: end to end without bit-exactness
 LOGITS_REL_L2 = 0.05
@@ -91,10 +93,6 @@ def prefill_in_chunks(model, inputs: dict, bounds: list[int], prompt_length_know
     return torch.cat(logits, dim=1), cache, blocks
 
 
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
-
-
 def _tie_rows(golden, variant: str, run: str) -> set[int]:
     meta = json.loads((golden / variant / "meta.json").read_text())
     ties = meta[f"{run}_run"]["topk_analysis"]["finite_boundary_ties"]
@@ -115,7 +113,7 @@ def test_chunked_prefill_is_bit_exact(golden, variant, run, plan, bounds):
     tensors, inputs = run_inputs(golden, variant, run)
     assert bounds[-1] == inputs["input_ids"].size(1)
     logits, cache, _ = prefill_in_chunks(model, inputs, bounds, prompt_length_known=True)
-    assert torch.equal(logits, tensors["prefill.logits"]), f"rel L2 {_rel(logits, tensors['prefill.logits']):.3g}"
+    assert torch.equal(logits, tensors["prefill.logits"]), f"rel L2 {rel_l2(logits, tensors['prefill.logits']):.3g}"
     assert cache.get_seq_length() == bounds[-1]
     text_config = model.config.text_config
     for source in text_config.kv_source_layer_ids:
@@ -145,10 +143,10 @@ def test_chunks_without_the_prompt_length_differ_only_from_a_top_k_tie_on(golden
         differing = (logits != want).any(-1)[0].nonzero().flatten().tolist()
         if differing:
             assert differing[0] in ties, f"first differing position {differing[0]} is not a top-k tie {sorted(ties)}"
-        assert _rel(logits, want) < LOGITS_REL_L2
+        assert rel_l2(logits, want) < LOGITS_REL_L2
         assert (logits.argmax(-1) == want.argmax(-1)).float().mean() >= ARGMAX_AGREEMENT
         for name, got in blocks.items():
-            assert _rel(got, tensors[f"prefill.{name}"]) < BLOCK_REL_L2, name
+            assert rel_l2(got, tensors[f"prefill.{name}"]) < BLOCK_REL_L2, name
 
 
 @pytest.mark.parametrize("run", ["vl", "text"])
@@ -165,8 +163,8 @@ def test_chunks_of_row_dependent_rounding_stay_within_bounds(golden, variant, ru
         logits, _, blocks = prefill_in_chunks(model, inputs, bounds, prompt_length_known=True, capture=True)
         assert set(blocks) == {f"block_out.{i}" for i in range(model.config.text_config.num_hidden_layers)}
         for name, got in blocks.items():
-            assert _rel(got, tensors[f"prefill.{name}"]) < BLOCK_REL_L2, (step, name)
-        assert _rel(logits, want) < LOGITS_REL_L2, step
+            assert rel_l2(got, tensors[f"prefill.{name}"]) < BLOCK_REL_L2, (step, name)
+        assert rel_l2(logits, want) < LOGITS_REL_L2, step
         assert (logits.argmax(-1) == want.argmax(-1)).float().mean() >= ARGMAX_AGREEMENT, step
 
 
@@ -228,7 +226,7 @@ def test_fast_numerics_chunked_prefill_is_close(golden, variant):
         want = model(**inputs, logits_to_keep=0).logits
     for bounds in (list(range(0, 160, 7)) + [160],):
         logits, _, _ = prefill_in_chunks(model, inputs, bounds, prompt_length_known=False)
-        assert _rel(logits, want) < LOGITS_REL_L2
+        assert rel_l2(logits, want) < LOGITS_REL_L2
         assert (logits.argmax(-1) == want.argmax(-1)).float().mean() >= ARGMAX_AGREEMENT
 
 

@@ -4,12 +4,7 @@ checkpoint's tensor names, dtypes and shapes (REFERENCE.md sections 1 and 11).""
 
 from __future__ import annotations
 
-import os
 
-# The model imports the Triton MoE router. Triton picks its CPU interpreter when a kernel is
-# defined, so the variable must be set before the first import of triton in the test session
-# (test_triton_*.py rely on it); the model itself runs its torch paths on CPU either way.
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import json
 from importlib import resources

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import os
 
-# The model and the bundled kernels import Triton, which picks its CPU interpreter only if this is
-# set before its first import in the session (see tests/test_model_golden.py).
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import json
 import shutil
@@ -30,7 +27,7 @@ from safetensors.torch import load_file
 from deepseek_v41_vl.cli import main
 from deepseek_v41_vl.conversion import convert as convert_module
 from deepseek_v41_vl.conversion import streaming
-from deepseek_v41_vl.conversion.checkpoint_names import (
+from deepseek_v41_vl.modeling.checkpoint_names_deepseek_v41_vl import (
     RULES,
     TOKEN_MAP_NAME,
     DeepseekV41ConversionError,
@@ -41,7 +38,7 @@ from deepseek_v41_vl.conversion.checkpoint_names import (
     tensor_nbytes,
 )
 from deepseek_v41_vl.conversion.convert import convert_checkpoint, target_config
-from deepseek_v41_vl.conversion.load_time import convert_state_dict, convert_tensor
+from deepseek_v41_vl.modeling.state_dict_adapter_deepseek_v41_vl import convert_state_dict, convert_tensor
 from deepseek_v41_vl.conversion.make_tiny import make_tiny, tiny_reference_args, write_official_checkpoint
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
 
@@ -306,7 +303,7 @@ def test_every_mode_converts_and_verifies(golden, sources, tmp_path, source_name
     assert config.text_config.weight_dtype == stored
     assert config.vision_config.num_hidden_layers == (0 if mode == "text_only" else source_config.vision_config.num_hidden_layers)
     assert (dst / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
-    assert (dst / "configuration_deepseek_v41_vl.py").is_file() and (dst / "load_time.py").is_file()
+    assert (dst / "configuration_deepseek_v41_vl.py").is_file() and (dst / "state_dict_adapter_deepseek_v41_vl.py").is_file()
     assert (dst / "preprocessor_config.json").is_file() == (mode != "text_only")
 
     source = _read_all(src)

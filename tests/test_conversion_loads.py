@@ -10,10 +10,8 @@ changes the arithmetic (see its test) and is held to the golden README's end-to-
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
@@ -24,9 +22,10 @@ from deepseek_v41_vl.conversion.convert import convert_checkpoint
 from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import (
     DeepseekV41ForCausalLM,
     DeepseekV41ForConditionalGeneration,
-    DeepseekV41ModelError,
 )
+from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import DeepseekV41Linear
+from helpers import rel_l2
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 # The golden README, "Recommendations for comparing model_tiny tensors" (3): end to end without
@@ -46,21 +45,15 @@ def text_run(golden) -> dict:
 
 
 @pytest.fixture(scope="module")
-def vl_run(golden, tmp_path_factory) -> dict:
+def vl_run(golden, converted_tiny_fp8) -> dict:
     """The golden VL run through the processor of a default conversion, and its golden tensors."""
-    dst = tmp_path_factory.mktemp("proc") / "tiny_fp8"
-    convert_checkpoint(golden / "model_tiny_fp8", dst, progress=False)
-    processor = AutoProcessor.from_pretrained(dst)
+    processor = AutoProcessor.from_pretrained(converted_tiny_fp8)
     meta = json.loads((golden / "model_tiny_fp8" / "meta.json").read_text())["vl_run"]
     images = [str(golden / im["file"]) for im in meta["images"]]
     inputs = processor(images=images, text=meta["prompt"], return_tensors="pt")
     tensors = load_file(golden / "model_tiny_fp8" / "vl.safetensors")
     assert torch.equal(inputs["input_ids"], tensors["input_ids"])
     return {"inputs": inputs, "tensors": tensors}
-
-
-def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want.double()).norm() / want.double().norm())
 
 
 def test_text_only_conversion_gives_golden_text_logits_bit_for_bit(golden, text_run, tmp_path):
@@ -102,7 +95,7 @@ def test_bf16_conversion_is_within_the_golden_end_to_end_bounds(golden, vl_run, 
         got = model(**vl_run["inputs"], use_cache=False).logits
     assert got.shape == want.shape
     assert not torch.equal(got, want)  # the arithmetic did change: the bounds below are not vacuous
-    rel = _rel_l2(got, want)
+    rel = rel_l2(got, want)
     agreement = float((got.argmax(-1) == want.argmax(-1)).double().mean())
     assert rel < MAX_LOGITS_REL_L2, f"prefill logits rel L2 {rel:.4f}"
     assert agreement >= MIN_ARGMAX_AGREEMENT, f"prefill argmax agreement {agreement:.3f}"

@@ -14,19 +14,21 @@ import copy
 import pytest
 import torch
 
-from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41AttentionError
-from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache, DeepseekV41CacheError
-from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import DeepseekV41ModelError, capture_intermediates
+from deepseek_v41_vl.modeling.cuda_graphs_deepseek_v41_vl import submodules_hooked
+from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import (
+    DeepseekV41AttentionError,
+    DeepseekV41CacheError,
+    DeepseekV41ModelError,
+)
+from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
+from deepseek_v41_vl.modeling.debug_deepseek_v41_vl import capture_intermediates
 
 from golden_models import golden_model, run_inputs
+from helpers import rel_l2
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VARIANT = "model_tiny_fp8"
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +63,9 @@ def test_capture_intermediates_sees_fast_decode_steps(fast):
         assert captured[f"indexer.{i}.topk_idxs"].shape[:2] == (1, 1), i
     # the hooked step took the plain forward; it differs from the fused step at most by the
     # order of tied top-k picks
-    assert _rel(hooked, plain) < 0.05
+    assert rel_l2(hooked, plain) < 0.05
     assert torch.equal(hooked.argmax(-1), plain.argmax(-1))
-    assert not any(layer._submodules_hooked() for layer in model.layers)  # hooks removed on exit
+    assert not any(submodules_hooked(layer) for layer in model.layers)  # hooks removed on exit
 
 
 def test_a_step_mask_must_pad_the_cached_positions_as_the_prefill(fast):
@@ -107,9 +109,9 @@ def test_token_ids_outside_the_vocabulary_are_refused(fast, ids, message):
 
 
 def test_decode_under_inference_mode_then_outside_it(fast, monkeypatch):
-    import deepseek_v41_vl.modeling.modeling_deepseek_v41_vl as modeling
+    import deepseek_v41_vl.modeling.cuda_graphs_deepseek_v41_vl as cuda_graphs
 
-    monkeypatch.setattr(modeling, "_DECODE_POSITIONS", {})  # the position tensor made afresh below
+    monkeypatch.setattr(cuda_graphs, "_DECODE_POSITIONS", {})  # the position tensor made afresh below
     model, tensors, inputs = fast
     token = tensors["prefill.next_token"].view(-1, 1)
     with torch.inference_mode():

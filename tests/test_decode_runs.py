@@ -17,10 +17,13 @@ import functools
 import pytest
 import torch
 
+from deepseek_v41_vl.modeling import cuda_graphs_deepseek_v41_vl as cuda_graphs
 from deepseek_v41_vl.modeling import modeling_deepseek_v41_vl as modeling
-from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41AttentionState
+from deepseek_v41_vl.modeling.decoder_layer_deepseek_v41_vl import DeepseekV41DecoderLayer
+from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState
 from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
-from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import DeepseekV41ModelError, decode_layers
+from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41ModelError
+from deepseek_v41_vl.modeling.cuda_graphs_deepseek_v41_vl import decode_layers
 
 from golden_models import golden_model, run_inputs
 from test_decode_step import _cache_tensors, _inputs, _layers
@@ -32,13 +35,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def runs_seen(monkeypatch):
     """The layer ids of every run `decode_layers` executes."""
     seen = []
-    original = modeling._replay_run
+    original = cuda_graphs._replay_run
 
     def spy(entries, *args, **kwargs):
         seen.append(tuple(layer.layer_idx for layer, _ in entries))
         return original(entries, *args, **kwargs)
 
-    monkeypatch.setattr(modeling, "_replay_run", spy)
+    monkeypatch.setattr(cuda_graphs, "_replay_run", spy)
     return seen
 
 
@@ -70,7 +73,7 @@ def test_a_run_equals_the_layers_one_by_one(prefill, runs_seen):
             h_run, m_run = decode_layers(layers, x[:, t : t + 1], pre[:, t : t + 1], run, graphs=False)
             assert torch.equal(h_run, h) and torch.equal(m_run, m), t
             _assert_same_state(run, alone)
-            assert not any(v is modeling._PENDING for v in run.topk_idxs.values())
+            assert not any(v is cuda_graphs._PENDING for v in run.topk_idxs.values())
     a, b = _cache_tensors(state.cache), _cache_tensors(run_cache)
     assert a.keys() == b.keys() and len(a) >= 6
     for k in a:
@@ -154,7 +157,7 @@ def test_a_failed_run_puts_back_its_bookkeeping(monkeypatch):
         clean_cache = copy.deepcopy(state.cache)
         lengths = {i: (c.compressed_kv and c.compressed_kv.length, c.index_k and c.index_k.length) for i, c in state.cache.layers.items()}
         publisher = state.cache.index_k_publisher
-        original = modeling.DeepseekV41DecoderLayer._decode_whole
+        original = DeepseekV41DecoderLayer.decode_whole
 
         def failing(self, *args):
             if self.layer_idx == 21:
@@ -163,7 +166,7 @@ def test_a_failed_run_puts_back_its_bookkeeping(monkeypatch):
 
         step = DeepseekV41AttentionState(start_pos=prefill, cache=state.cache)
         with monkeypatch.context() as m:
-            m.setattr(modeling.DeepseekV41DecoderLayer, "_decode_whole", failing)
+            m.setattr(DeepseekV41DecoderLayer, "decode_whole", failing)
             with pytest.raises(RuntimeError, match="simulated"):
                 decode_layers(layers, x[:, prefill:], pre[:, prefill:], step, graphs=False)
         after = {i: (c.compressed_kv and c.compressed_kv.length, c.index_k and c.index_k.length) for i, c in state.cache.layers.items()}
@@ -216,7 +219,7 @@ def test_the_model_decodes_through_runs_like_layer_by_layer(golden, monkeypatch,
         for step in range(6):
             alone = model(token, cache=cache).logits
             with monkeypatch.context() as m:
-                m.setattr(modeling, "decode_layers", eager_runs)
+                m.setattr(modeling, "decode_layers", eager_runs)  # the model module's name for it
                 m.setattr(model, "decode_layer_runs", True)
                 run = model(token, cache=run_cache).logits
             assert torch.equal(run, alone), step

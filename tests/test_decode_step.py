@@ -24,9 +24,10 @@ import json
 import pytest
 import torch
 
-from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41AttentionError, DeepseekV41AttentionState
+from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41AttentionError
+from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
-from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import DeepseekV41DecoderLayer
+from deepseek_v41_vl.modeling.decoder_layer_deepseek_v41_vl import DeepseekV41DecoderLayer
 
 from conftest import REPO_ROOT
 
@@ -84,26 +85,25 @@ def _cache_tensors(cache) -> dict:
 
 
 @pytest.fixture
-def piecewise_only():
-    """Make `decode_step` (and `block`) take the three-part split for every step."""
-    touched = []
+def plain_forward():
+    """Make `block` take the plain forward for one-token steps too: a forward hook on a submodule
+    (as `capture_intermediates` registers) keeps a layer off the fused step."""
+    handles = []
 
     def apply(layers):
-        for layer in layers:
-            layer._whole_decode_step = False
-            touched.append(layer)
+        handles.extend(layer.attn_norm.register_forward_hook(lambda *_: None) for layer in layers)
         return layers
 
     yield apply
-    for layer in touched:
-        layer._whole_decode_step = True
+    for handle in handles:
+        handle.remove()
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["one-row", "left-padded"])
 @pytest.mark.parametrize("numerics", ["fast", "exact"])
-def test_decode_step_equals_block(numerics, padded, piecewise_only):
+def test_piecewise_decode_step_equals_the_plain_forward(numerics, padded, plain_forward):
     text, layers = _layers(numerics)
-    piecewise_only(layers)
+    plain_forward(layers)
     prefill, steps = 13, 6  # odd prefill: the ratio-2 groups complete on alternate steps
     batch = 2 if padded else 1
     pads = torch.tensor([0, 3]) if padded else None  # row 1 starts 3 columns later
@@ -120,7 +120,7 @@ def test_decode_step_equals_block(numerics, padded, piecewise_only):
             m_whole = m_split = pre[:, t : t + 1]
             for layer in layers:
                 h_whole, m_whole = layer.block(h_whole, m_whole, whole)
-                h_split, m_split = layer.decode_step(h_split, m_split, split)
+                h_split, m_split = layer.decode_step_piecewise(h_split, m_split, split)
                 assert torch.equal(h_whole, h_split), (t, layer.layer_idx)
                 assert torch.equal(m_whole, m_split), (t, layer.layer_idx)
             assert whole.topk_idxs.keys() == split.topk_idxs.keys()
@@ -173,7 +173,7 @@ def test_head_outputs_rewritten_by_the_next_step_do_not_leak_into_the_cache(pref
             layer.block(x[:, :prefill], pre[:, :prefill], state)
         replay_cache = copy.deepcopy(state.cache)
         for layer in layers:
-            layer._decode_head = _replayed(layer._decode_head)
+            layer.decode_head = _replayed(layer.decode_head)
         try:
             for t in range(prefill, prefill + steps):
                 whole = DeepseekV41AttentionState(start_pos=t, cache=state.cache)
@@ -186,7 +186,7 @@ def test_head_outputs_rewritten_by_the_next_step_do_not_leak_into_the_cache(pref
                     assert torch.equal(h_whole, h_replay), (t, layer.layer_idx)
         finally:
             for layer in layers:
-                del layer._decode_head
+                del layer.decode_head
     a, b = _cache_tensors(state.cache), _cache_tensors(replay_cache)
     assert a.keys() == b.keys()
     for k in a:
@@ -194,7 +194,7 @@ def test_head_outputs_rewritten_by_the_next_step_do_not_leak_into_the_cache(pref
 
 
 def test_decode_step_and_its_switch_refuse_bad_input():
-    from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import DeepseekV41ModelError
+    from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41ModelError
 
     text, layers = _layers("fast")
     layer = layers[0]
@@ -235,11 +235,7 @@ def test_whole_decode_step_matches_the_piecewise_split(prefill):
                 if plan is not None:
                     keys[layer.layer_idx].append(plan.key)
                     whole_steps += 1
-                layer._whole_decode_step = False
-                try:
-                    h_split, m_split = layer.block(h, m, split)
-                finally:
-                    layer._whole_decode_step = True
+                h_split, m_split = layer.decode_step_piecewise(h, m, split)
                 h_whole, m_whole = layer.decode_step(h, m, whole)
                 same_sets = True
                 if layer.attn.is_index_source and layer.attn.ratio:
@@ -277,7 +273,10 @@ def test_whole_decode_step_matches_the_piecewise_split(prefill):
 
 @pytest.mark.parametrize("window", [1, 8, 128])
 def test_window_index_list_from_a_device_position_equals_the_host_one(window):
-    from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import decode_window_idxs, decode_window_idxs_at
+    from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import (
+        decode_window_idxs,
+        decode_window_idxs_at,
+    )
 
     for start_pos in (1, 2, window - 1, window, window + 1, 3 * window + 5, 4097):
         if start_pos < 1:

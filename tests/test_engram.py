@@ -234,7 +234,9 @@ def test_tiny_hash_ids_prefill_and_decode(golden, tiny_hasher, run_name):
 
 
 def _tiny_engram(golden, variant: str, layer: int, numerics: str) -> DeepseekV41Engram:
-    engram = DeepseekV41Engram(_tiny_config(golden, variant, numerics), layer, weight_dtype=variant)
+    config = _tiny_config(golden, variant, numerics)
+    assert config.weight_dtype == variant  # the storage comes from the config alone
+    engram = DeepseekV41Engram(config, layer)
     checkpoint = load_file(golden / f"model_tiny_{variant}" / "model.safetensors")
     prefix = f"layers.{layer}.engram."
     engram.load_state_dict({k[len(prefix) :]: v for k, v in checkpoint.items() if k.startswith(prefix)})

@@ -25,11 +25,13 @@ import json
 import pytest
 import torch
 
-import deepseek_v41_vl.modeling.attention_deepseek_v41_vl as attention_module
-from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41AttentionState
-from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import capture_intermediates
+import deepseek_v41_vl.modeling.numerics_deepseek_v41_vl as numerics_module
+from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import DeepseekV41Numerics
+from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState
+from deepseek_v41_vl.modeling.debug_deepseek_v41_vl import capture_intermediates
 
 from golden_models import VARIANTS, golden_model, run_inputs
+from helpers import rel_l2
 
 BLOCK_REL_L2 = 0.05
 SELECTION_AGREEMENT = 0.9
@@ -37,14 +39,10 @@ LOGITS_REL_L2 = 0.05
 ARGMAX_AGREEMENT = 0.9
 # elements per chunk intermediate: forces chunks of a few queries on the tiny models
 TINY_BUDGET = 2000
-BUDGETS = {"default": attention_module.FAST_MAX_ELEMENTS, "chunked": TINY_BUDGET}
+BUDGETS = {"default": numerics_module.FAST_MAX_ELEMENTS, "chunked": TINY_BUDGET}
 
 # one torch thread, as the golden fixtures were made (see conftest.one_torch_thread)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
 def _same_rows(got: torch.Tensor, want: torch.Tensor, sort: bool = False) -> float:
@@ -56,15 +54,15 @@ def _same_rows(got: torch.Tensor, want: torch.Tensor, sort: bool = False) -> flo
 
 def test_the_fast_model_is_fast(golden):
     model = golden_model(golden, "model_tiny_fp8", "fast")
-    modes = {m.numerics for m in model.modules() if isinstance(getattr(m, "numerics", None), str)}
-    assert modes == {"fast"}
+    plans = {id(m.numerics): m.numerics for m in model.modules() if isinstance(getattr(m, "numerics", None), DeepseekV41Numerics)}
+    assert len(plans) == 1 and next(iter(plans.values())).mode == "fast"  # one plan, held by reference
 
 
 @pytest.mark.parametrize("budget", list(BUDGETS))
 @pytest.mark.parametrize("run", ["vl", "text"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fast_blocks_teacher_forced_within_bounds(golden, monkeypatch, variant, run, budget):
-    monkeypatch.setattr(attention_module, "FAST_MAX_ELEMENTS", BUDGETS[budget])
+    monkeypatch.setattr(numerics_module, "FAST_MAX_ELEMENTS", BUDGETS[budget])
     model = golden_model(golden, variant, "fast")
     tensors, inputs = run_inputs(golden, variant, run)
     index = json.loads((golden / variant / "meta.json").read_text())["hidden_state_index"]
@@ -75,9 +73,9 @@ def test_fast_blocks_teacher_forced_within_bounds(golden, monkeypatch, variant, 
         for i, layer in enumerate(model.layers):
             x = tensors[index[str(i)]["entering_block"]]
             out, _ = layer.block(x, tensors[f"prefill.pre_mix_in.{i}"], state, image_mask)
-            assert _rel(out, tensors[f"prefill.block_out.{i}"]) < BLOCK_REL_L2, f"block_out.{i}"
+            assert rel_l2(out, tensors[f"prefill.block_out.{i}"]) < BLOCK_REL_L2, f"block_out.{i}"
             if f"prefill.attn_out.{i}" in tensors:
-                assert _rel(captured[f"attn_out.{i}"], tensors[f"prefill.attn_out.{i}"]) < BLOCK_REL_L2, f"attn_out.{i}"
+                assert rel_l2(captured[f"attn_out.{i}"], tensors[f"prefill.attn_out.{i}"]) < BLOCK_REL_L2, f"attn_out.{i}"
             agree = _same_rows(captured[f"gate.{i}.indices"], tensors[f"prefill.gate.{i}.indices"], sort=True)
             assert agree >= SELECTION_AGREEMENT, (f"gate.{i}.indices", agree)
             if f"prefill.indexer.{i}.topk_idxs" in tensors:
@@ -91,13 +89,13 @@ def test_fast_blocks_teacher_forced_within_bounds(golden, monkeypatch, variant, 
 @pytest.mark.parametrize("run", ["vl", "text"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fast_prefill_end_to_end_within_bounds(golden, monkeypatch, variant, run, budget):
-    monkeypatch.setattr(attention_module, "FAST_MAX_ELEMENTS", BUDGETS[budget])
+    monkeypatch.setattr(numerics_module, "FAST_MAX_ELEMENTS", BUDGETS[budget])
     model = golden_model(golden, variant, "fast")
     tensors, inputs = run_inputs(golden, variant, run)
     with torch.no_grad():
         logits = model(**inputs, logits_to_keep=0).logits
     want = tensors["prefill.logits"]
     assert logits.shape == want.shape
-    assert _rel(logits, want) < LOGITS_REL_L2
+    assert rel_l2(logits, want) < LOGITS_REL_L2
     agree = (logits.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agree >= ARGMAX_AGREEMENT, agree

@@ -45,16 +45,16 @@ pytestmark = [
 
 import deepseek_v41_vl.triton_ops.moe_routing as moe_routing  # noqa: E402
 import deepseek_v41_vl.triton_ops.vision_rope as vision_rope  # noqa: E402
-from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41AttentionState  # noqa: E402
+from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState  # noqa: E402
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41VisionConfig  # noqa: E402
-from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import capture_intermediates  # noqa: E402
-from deepseek_v41_vl.modeling.vision_deepseek_v41_vl import (  # noqa: E402
+from deepseek_v41_vl.modeling.debug_deepseek_v41_vl import capture_intermediates  # noqa: E402
+from deepseek_v41_vl.modeling.vision_deepseek_v41_vl import (
     DeepseekV41VisionAttention,
-    DeepseekV41VisionTower,
     vision_rope_tables,
 )
 
-from golden_models import RUNS, VARIANTS, golden_model, golden_run, prefill_inputs  # noqa: E402
+from golden_models import RUNS, VARIANTS, VisionTower, golden_model, golden_run, prefill_inputs  # noqa: E402
+from helpers import rel_l2, with_backends  # noqa: E402
 
 CUDA = torch.device("cuda")
 NUMERICS = ("fast", "exact")
@@ -68,11 +68,6 @@ def _write_metrics():
     path = os.environ.get("DEEPSEEK_V41_GPU_METRICS")
     if path and _METRICS:
         Path(path).write_text(json.dumps(_METRICS, indent=1, sort_keys=True))
-
-
-def rel_l2(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ours, ref = ours.double().cpu(), ref.double().cpu()
-    return ((ours - ref).norm() / ref.norm()).item()
 
 
 def _require_compiled_triton():
@@ -307,15 +302,15 @@ def test_decode_cuda_graphs_equal_eager_steps(golden, variant, runs):
 # --------------------------------------------------------------------------------------------
 
 
-def real_vision_tower(seed: int = 0) -> DeepseekV41VisionTower:
+def real_vision_tower(seed: int = 0) -> VisionTower:
     """fp32 tower of the released shape (32 x 1024, 16 heads, aligner to 5120), default init."""
     torch.manual_seed(seed)
     config = DeepseekV41VisionConfig()
     assert (config.num_hidden_layers, config.hidden_size, config.out_hidden_size) == (32, 1024, 5120)
-    return DeepseekV41VisionTower(config).eval()
+    return VisionTower(config).eval()
 
 
-def to_bf16_weights(tower: DeepseekV41VisionTower) -> DeepseekV41VisionTower:
+def to_bf16_weights(tower: VisionTower) -> VisionTower:
     """bf16 linear weights and biases, fp32 RMSNorm weights: the reference's dtypes."""
     for module in tower.modules():
         if isinstance(module, torch.nn.Linear):
@@ -379,15 +374,6 @@ def test_vision_attention_runs_on_a_fused_sdpa_kernel():
 
 ENGRAM_TABLES = ("model.layers.1.engram.embed", "model.layers.5.engram.embed")  # engram_layer_ids [1, 5]
 _HF: dict[str, object] = {}
-
-
-@pytest.fixture(scope="module")
-def converted_tiny_fp8(golden, tmp_path_factory) -> Path:
-    from deepseek_v41_vl.conversion.convert import convert_checkpoint
-
-    dst = tmp_path_factory.mktemp("gpu_hf") / "tiny_fp8"
-    convert_checkpoint(golden / "model_tiny_fp8", dst, progress=False)
-    return dst
 
 
 def hf_vl_inputs(golden: Path, folder: Path):
@@ -666,9 +652,8 @@ def test_moe_expert_kernels_match_the_grouped_path(kind, tokens, monkeypatch):
             p.data.copy_((torch.randn(p.shape, generator=gen, device=CUDA) * p.shape[-1] ** -0.5).to(p.dtype))
     x = torch.randn(1, tokens, 512, generator=gen, device=CUDA).to(torch.bfloat16)
     with torch.no_grad():
-        monkeypatch.setenv("DEEPSEEK_V41_MOE_EXPERTS_BACKEND", "torch")
-        ref = moe(x)
-        monkeypatch.setenv("DEEPSEEK_V41_MOE_EXPERTS_BACKEND", "auto")
+        ref = with_backends(moe, moe_experts="torch")(x)
+        with_backends(moe, moe_experts="auto")
         assert moe.runs_without_host_sync(tokens, CUDA)
         ours = moe(x)
     _METRICS[f"moe_experts/{kind}/{tokens}"] = {"rel_l2": rel_l2(ours, ref), "bitwise_fraction": (ours == ref).float().mean().item()}
@@ -723,11 +708,9 @@ def test_moe_prefill_path_matches_the_per_expert_loop(kind, monkeypatch):
         "deepseek_v41_vl.modeling.moe_deepseek_v41_vl.moe_routed_prefill", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     with torch.no_grad():
-        monkeypatch.setenv(moe_prefill.ENV_BACKEND, "torch")
-        ref = moe(x)
+        ref = with_backends(moe, moe_prefill="torch")(x)
         assert calls == []
-        monkeypatch.setenv(moe_prefill.ENV_BACKEND, "auto")
-        ours = moe(x)
+        ours = with_backends(moe, moe_prefill="auto")(x)
         assert calls == [1]
     bitwise = (ours == ref).float().mean().item()
     _METRICS[f"moe_prefill/{kind}/{tokens}"] = {"rel_l2": rel_l2(ours, ref), "bitwise_fraction": bitwise}
@@ -796,7 +779,7 @@ def test_fake_quant_kernels_bitwise_equal_torch(fmt, shape):
 def test_rms_norm_kernel_agrees_with_the_torch_ops(shape):
     """The fused RMSNorm (`triton_ops/rms_norm.py`), compiled, against the torch ops on the GPU:
     at most one bf16 ulp apart, mostly equal."""
-    from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41RMSNorm
+    from deepseek_v41_vl.modeling.layers_deepseek_v41_vl import DeepseekV41RMSNorm
     from deepseek_v41_vl.triton_ops.rms_norm import rms_norm_triton
 
     _require_compiled_triton()

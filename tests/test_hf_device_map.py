@@ -11,10 +11,8 @@ decoder layer and ViT block on one device.
 from __future__ import annotations
 
 import json
-import os
 import re
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
@@ -23,7 +21,6 @@ from accelerate.utils import compute_module_sizes
 from safetensors.torch import load_file
 
 import deepseek_v41_vl  # noqa: F401
-from deepseek_v41_vl.conversion.convert import convert_checkpoint
 from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 
 
@@ -31,9 +28,8 @@ from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def test_cpu_disk_split_keeps_layers_whole_and_gives_the_same_logits(golden, tmp_path):
-    model_dir = tmp_path / "tiny_fp8"
-    convert_checkpoint(golden / "model_tiny_fp8", model_dir, progress=False)
+def test_cpu_disk_split_keeps_layers_whole_and_gives_the_same_logits(golden, converted_tiny_fp8, tmp_path):
+    model_dir = converted_tiny_fp8
     config = AutoConfig.from_pretrained(model_dir)
     with init_empty_weights():
         empty = AutoModelForImageTextToText.from_config(config)

@@ -12,20 +12,17 @@ tensors without accelerate hooks and the logits are the golden ones, bit for bit
 from __future__ import annotations
 
 import json
-import os
 import re
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import deepseek_v41_vl  # noqa: F401
-from deepseek_v41_vl.conversion.convert import convert_checkpoint
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
 from deepseek_v41_vl.modeling.engram_deepseek_v41_vl import ENGRAM_SCALE_BLOCK, DeepseekV41EngramEmbedding
-from deepseek_v41_vl.modeling.engram_placement_deepseek_v41_vl import (
+from deepseek_v41_vl.modeling.loading_deepseek_v41_vl import (
     DeepseekV41EngramPlacementError,
     check_engram_placement,
     device_map_with_engram_tables,
@@ -45,10 +42,8 @@ TABLES = ["model.layers.1.engram.embed", "model.layers.5.engram.embed"]  # engra
 
 
 @pytest.fixture(scope="module")
-def model_dir(golden, tmp_path_factory):
-    dst = tmp_path_factory.mktemp("engram_placement") / "tiny_fp8"
-    convert_checkpoint(golden / "model_tiny_fp8", dst, progress=False)
-    return dst
+def model_dir(converted_tiny_fp8):
+    return converted_tiny_fp8
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,8 @@ drops the Engram token map fails here.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
@@ -21,14 +19,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import deepseek_v41_vl  # noqa: F401  (registers the Auto classes)
-from deepseek_v41_vl.conversion.convert import convert_checkpoint
 from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
+from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41ConfigError
+from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import DeepseekV41Numerics, DeepseekV41NumericsError
 from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import (
     DeepseekV41ForCausalLM,
     DeepseekV41ForConditionalGeneration,
     DeepseekV41Model,
-    DeepseekV41ModelError,
 )
+from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import DeepseekV41Linear
 from deepseek_v41_vl.modeling.rope_deepseek_v41_vl import DeepseekV41RotaryEmbedding, rope_inv_frequencies
 from deepseek_v41_vl.processing.processing_deepseek_v41_vl import DeepseekV41Processor
@@ -50,10 +49,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model_dir(golden, tmp_path_factory) -> Path:
-    dst = tmp_path_factory.mktemp("hf") / "tiny_fp8"
-    convert_checkpoint(golden / "model_tiny_fp8", dst, progress=False)
-    return dst
+def model_dir(converted_tiny_fp8) -> Path:
+    return converted_tiny_fp8
 
 
 @pytest.fixture(scope="module")
@@ -126,8 +123,8 @@ def test_from_pretrained_stores_every_tensor_bit_for_bit(model_dir, model):
 
 def test_numerics_exact_reaches_every_module(model):
     assert model.config.text_config.numerics == "exact"
-    modes = {type(m).__name__: m.numerics for m in model.modules() if isinstance(getattr(m, "numerics", None), str)}
-    assert modes and set(modes.values()) == {"exact"}, modes
+    plans = {id(m.numerics): m.numerics for m in model.modules() if isinstance(getattr(m, "numerics", None), DeepseekV41Numerics)}
+    assert len(plans) == 1 and next(iter(plans.values())).mode == "exact", plans  # one plan, by reference
     # the RoPE frequencies were built on the meta device by from_pretrained and rebuilt after it
     rotaries = [m for m in model.modules() if isinstance(m, DeepseekV41RotaryEmbedding)]
     assert rotaries
@@ -160,6 +157,26 @@ def test_generate_batch_of_two_text_prompts_gives_both_golden_rows(golden, model
     assert inputs["input_ids"].tolist() == meta["tokens"]  # equal lengths: no padding
     generated = model.generate(**inputs, do_sample=False, max_new_tokens=N_NEW)
     assert _new_tokens(generated, inputs) == meta["generated_tokens"]
+
+
+def test_numerics_changed_after_load_take_effect_everywhere(model_dir, model, vl_run):
+    # regression: `config.numerics = "exact"` on a loaded fast model once left every module fast
+    inputs, tensors = vl_run["inputs"], vl_run["tensors"]
+    fast = AutoModelForImageTextToText.from_pretrained(model_dir, numerics="fast")
+    fast.config.numerics = "exact"
+    with torch.no_grad():
+        switched = fast(**inputs, use_cache=False).logits
+        loaded_exact = model(**inputs, use_cache=False).logits
+    plans = {id(m.numerics): m.numerics for m in fast.modules() if isinstance(getattr(m, "numerics", None), DeepseekV41Numerics)}
+    assert [p.mode for p in plans.values()] == ["exact"]
+    assert torch.equal(switched, loaded_exact)
+    assert torch.equal(switched, tensors["prefill.logits"])  # the golden logits, bit for bit
+    fast.set_numerics("fast")
+    assert fast.config.text_config.numerics == "fast" and {m.numerics.mode for m in fast.modules() if isinstance(getattr(m, "numerics", None), DeepseekV41Numerics)} == {"fast"}
+    with pytest.raises(DeepseekV41NumericsError, match="numerics must be one of"):
+        fast.set_numerics("fastest")
+    with pytest.raises(DeepseekV41ConfigError, match="numerics must be one of"):
+        fast.config.numerics = "fastest"
 
 
 def test_text_only_causal_lm_loads_the_vl_folder(golden, model_dir):

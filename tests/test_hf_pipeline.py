@@ -7,16 +7,12 @@ no preprocessing or decoding of its own that would change the result.
 
 from __future__ import annotations
 
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-import torch
 
 import deepseek_v41_vl  # noqa: F401
 from deepseek_v41_vl.cli import bundled_photo
-from deepseek_v41_vl.conversion.convert import convert_checkpoint
 from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import DeepseekV41ForConditionalGeneration
 from deepseek_v41_vl.processing.processing_deepseek_v41_vl import DeepseekV41Processor
 from transformers import pipeline
@@ -29,10 +25,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def pipe(golden, tmp_path_factory):
-    dst = tmp_path_factory.mktemp("pipe") / "tiny_fp8"
-    convert_checkpoint(golden / "model_tiny_fp8", dst, progress=False)
-    return pipeline("image-text-to-text", model=str(dst), trust_remote_code=False)
+def pipe(converted_tiny_fp8):
+    return pipeline("image-text-to-text", model=str(converted_tiny_fp8), trust_remote_code=False)
 
 
 def _by_hand(pipe, inputs) -> str:

@@ -23,7 +23,6 @@ import tomllib
 from pathlib import Path
 
 
-from deepseek_v41_vl.conversion.convert import convert_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,7 +79,7 @@ def _run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     return result
 
 
-def test_converted_folder_loads_as_remote_code_in_a_fresh_environment(golden, tmp_path):
+def test_converted_folder_loads_as_remote_code_in_a_fresh_environment(golden, converted_tiny_fp8, tmp_path):
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], timeout=300)
     python = venv / "bin" / "python"
@@ -90,8 +89,7 @@ def test_converted_folder_loads_as_remote_code_in_a_fresh_environment(golden, tm
         env=env, timeout=1500,
     )
 
-    model_dir = tmp_path / "converted"
-    convert_checkpoint(golden / "model_tiny_fp8", model_dir, progress=False)
+    model_dir = converted_tiny_fp8
     work = tmp_path / "cwd"  # not the repository: nothing of the project on sys.path
     work.mkdir()
     child_env = dict(env, HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", TRITON_INTERPRET="1")

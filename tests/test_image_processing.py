@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import http.server
-import io
 import json
 import struct
 import threading

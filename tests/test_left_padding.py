@@ -26,9 +26,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import (
-    DeepseekV41AttentionCache,
-    DeepseekV41AttentionError,
+from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41AttentionCache
+from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41AttentionError
+from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import (
     DeepseekV41AttentionState,
     left_padding_offsets,
 )
@@ -36,8 +36,9 @@ from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
 
 from golden_models import DECODE_STEPS, VARIANTS, golden_model, run_inputs
 from test_fast_numerics import TINY_BUDGET
+from helpers import rel_l2
 
-import deepseek_v41_vl.modeling.attention_deepseek_v41_vl as attention_module
+import deepseek_v41_vl.modeling.numerics_deepseek_v41_vl as numerics_module
 
 LOGITS_REL_L2 = 0.05  # README "Recommendations", 3
 ARGMAX_AGREEMENT = 0.9
@@ -59,10 +60,6 @@ def left_pad(rows: list[torch.Tensor], pad_id: int = PAD_ID) -> tuple[torch.Tens
     return ids, mask
 
 
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
-
-
 def _alone(model, row: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(row[None], cache=DeepseekV41Cache(model.config), logits_to_keep=0).logits[0]
@@ -78,7 +75,7 @@ def assert_row_matches(got: torch.Tensor, want: torch.Tensor, what: str) -> None
     whole = got.size(0) - got.size(0) % 8
     assert torch.equal(got[:whole], want[:whole]), what
     if whole < got.size(0):
-        assert _rel(got[whole:], want[whole:]) < LOGITS_REL_L2, what
+        assert rel_l2(got[whole:], want[whole:]) < LOGITS_REL_L2, what
 
 
 @pytest.mark.parametrize("lengths", [(24, 19), (11, 24), (24, 16)])  # pads 5 (odd), 13, 8
@@ -162,7 +159,7 @@ def test_padded_decode_steps(golden, variant, lengths):
         single_steps = _decode(model, single, tokens[:, b : b + 1], None)
         for step in range(DECODE_STEPS):
             assert torch.equal(padded[step][b], twin_steps[step][0]), (b, step)
-            assert _rel(padded[step][b], single_steps[step][0]) < LOGITS_REL_L2, (b, step)
+            assert rel_l2(padded[step][b], single_steps[step][0]) < LOGITS_REL_L2, (b, step)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -213,7 +210,7 @@ def test_padded_batch_prefilled_in_chunks(golden, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_fast_numerics_padded_rows_are_close_to_their_rows_alone(golden, monkeypatch, variant, budget):
     if budget is not None:
-        monkeypatch.setattr(attention_module, "FAST_MAX_ELEMENTS", budget)
+        monkeypatch.setattr(numerics_module, "FAST_MAX_ELEMENTS", budget)
     model = golden_model(golden, variant, "fast")
     first, second, _ = _text_rows(golden, variant)
     rows = [first, second[:19]]
@@ -222,7 +219,7 @@ def test_fast_numerics_padded_rows_are_close_to_their_rows_alone(golden, monkeyp
         logits = model(ids, attention_mask=mask, logits_to_keep=0).logits
     for b, row in enumerate(rows):
         got, want = logits[b, ids.size(1) - row.numel() :], _alone(model, row)
-        assert _rel(got, want) < LOGITS_REL_L2
+        assert rel_l2(got, want) < LOGITS_REL_L2
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= ARGMAX_AGREEMENT
 
 

@@ -12,7 +12,10 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from deepseek_v41_vl.cli import main
-from deepseek_v41_vl.conversion.checkpoint_names import DeepseekV41ConversionError, official_inventory
+from deepseek_v41_vl.modeling.checkpoint_names_deepseek_v41_vl import (
+    DeepseekV41ConversionError,
+    official_inventory,
+)
 from deepseek_v41_vl.conversion.make_tiny import make_tiny, quantize_fp8_blocks
 from deepseek_v41_vl.conversion.source import load_source
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config

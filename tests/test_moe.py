@@ -16,12 +16,9 @@ and the router is checked against `prefill.gate.i.{indices, weights, biased_scor
 
 from __future__ import annotations
 
+import copy
 import json
-import os
 
-# the MoE imports the routing kernel; if this module is the first to import triton, let the
-# kernel be interpreted so the Triton routing tests of the session can still run on CPU
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -31,8 +28,8 @@ from deepseek_v41_vl.modeling.moe_deepseek_v41_vl import (  # noqa: E402
     DeepseekV41Expert,
     DeepseekV41MoE,
     DeepseekV41MoEError,
-    moe_weight_dtypes,
 )
+from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import DeepseekV41Transformer  # noqa: E402
 from deepseek_v41_vl.triton_ops.moe_routing import MoERoutingError  # noqa: E402
 
 from golden_models import VARIANTS, golden_checkpoint, golden_config, golden_run  # noqa: E402
@@ -98,14 +95,26 @@ N_LAYERS = 8
 def test_weight_dtypes_follow_the_checkpoint(gold):
     # fp8 checkpoint: routed experts fp4, shared expert fp8; bf16 checkpoint: all bf16
     routed, shared = {"model_tiny_bf16": ("bf16", "bf16"), "model_tiny_fp8": ("fp4", "fp8")}[gold.variant]
-    assert moe_weight_dtypes(None) == ("bf16", "bf16")
-    assert moe_weight_dtypes({"quant_method": "fp8", "expert_dtype": "fp4"}) == ("fp4", "fp8")
-    assert moe_weight_dtypes({"quant_method": "fp8", "expert_dtype": None}) == ("fp8", "fp8")
     moe = gold.moe(0)
     torch_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp4": torch.float4_e2m1fn_x2}
     assert moe.experts[3].w2.weight.dtype == torch_dtype[routed]
     assert moe.shared_experts.w1.weight.dtype == torch_dtype[shared]
     assert moe.gate.weight.dtype == torch.bfloat16 and moe.gate.bias_vl.dtype == torch.float32
+
+
+@pytest.mark.parametrize(("weight_dtype", "expert_weight_dtype"), [("fp8", "bf16"), ("fp8", "fp4"), ("bf16", "fp8")])
+def test_storage_dtypes_come_from_the_text_config_only(gold, weight_dtype, expert_weight_dtype):
+    # regression: a model with fp8 linears and bf16 experts once built fp8 routed experts (the
+    # MoE re-read a quantization dict the model rebuilt, instead of `expert_weight_dtype`)
+    config = copy.deepcopy(gold.config)
+    config.text_config.weight_dtype, config.text_config.expert_weight_dtype = weight_dtype, expert_weight_dtype
+    with torch.device("meta"):
+        model = DeepseekV41Transformer(config)
+    torch_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp4": torch.float4_e2m1fn_x2}
+    for layer in model.layers:
+        assert {e.w1.weight.dtype for e in layer.ffn.experts} == {torch_dtype[expert_weight_dtype]}
+        assert layer.ffn.shared_experts.w1.weight.dtype == torch_dtype[weight_dtype]
+        assert layer.attn.wq_a.weight.dtype == torch_dtype[weight_dtype]
 
 
 @torch.inference_mode()
@@ -263,8 +272,6 @@ def test_bad_inputs_raise(golden):
         moe.gate(x)
     with pytest.raises(MoERoutingError, match="image_rows"):
         moe.gate(x[0], torch.zeros(3, dtype=torch.bool))
-    with pytest.raises(DeepseekV41MoEError, match="quant_method"):
-        moe_weight_dtypes({"quant_method": "gptq"})
     cfg = gold.text_config
     cfg.n_shared_experts = 2
     try:

@@ -9,23 +9,12 @@ expert on the same bf16 operands), the same epilogue ops and a fake-quant kernel
 
 from __future__ import annotations
 
-import importlib
-import os
-
-# must precede the first import of triton: triton.jit picks the interpreter at definition time
-os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import deepseek_v41_vl.triton_ops.moe_experts as moe_experts  # noqa: E402
 import deepseek_v41_vl.triton_ops.moe_prefill as moe_prefill  # noqa: E402
-
-if not moe_prefill._kernels_interpreted():
-    # kernels defined before TRITON_INTERPRET was set: redefine them (module dicts are reused, so
-    # the MoE module's imported functions see the new kernels too)
-    moe_experts = importlib.reload(moe_experts)
-    moe_prefill = importlib.reload(moe_prefill)
 
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41TextConfig  # noqa: E402
 from deepseek_v41_vl.modeling.moe_deepseek_v41_vl import DeepseekV41MoE  # noqa: E402
@@ -34,6 +23,7 @@ from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import (  # noqa: E40
     dequantize_fp8_weight,
 )
 from random_storage import fill_quantized_storage  # noqa: E402
+from helpers import with_backends  # noqa: E402
 
 ENV = moe_prefill.ENV_BACKEND
 HIDDEN, INTER = 64, 32
@@ -107,12 +97,11 @@ def test_moe_forward_prefill_path_is_bitwise_the_module_path(fmt, limit, monkeyp
         "deepseek_v41_vl.modeling.moe_deepseek_v41_vl.moe_routed_prefill",
         lambda *a, **k: calls.append(a[2]) or real(*a, experts_per_chunk=3, **k),
     )
-    monkeypatch.setenv(moe_experts.ENV_BACKEND, "torch")  # keep the decode kernels out
-    monkeypatch.setenv(ENV, "torch")
+    with_backends(moe, moe_experts="torch", moe_prefill="torch")  # the decode kernels kept out
     with torch.inference_mode():
         ref = moe(x)
     assert calls == []
-    monkeypatch.setenv(ENV, "triton")
+    with_backends(moe, moe_experts="torch", moe_prefill="triton")
     with torch.inference_mode():
         out = moe(x)
     assert len(calls) == 1

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import DeepseekV41Numerics, DeepseekV41NumericsError, apply_numerics
 from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import (
     DeepseekV41Linear,
     DeepseekV41QuantizationError,
@@ -259,7 +260,7 @@ def test_linear_modes_and_dtypes(golden):
     exact = fp8(x)
     q, s = act_quant(x)
     assert torch.equal(exact, fp8_block_gemm(q, s, fp8.weight, fp8.scale))
-    fp8.numerics = "fast"
+    apply_numerics(fp8, DeepseekV41Numerics.resolve("fast"))
     fast = fp8(x)
     assert fast.dtype == torch.bfloat16 and fast.shape == (2, 7, 64)
     ref = fake_quant_fp8(x).double() @ dequantize_fp8_weight(fp8.weight, fp8.scale).double().T
@@ -276,7 +277,7 @@ def test_linear_modes_and_dtypes(golden):
     )  # int8 in the file
     assert fp4.weight.dtype == torch.float4_e2m1fn_x2 and fp4.weight.shape == (32, 128)
     exact4 = fp4(x)
-    fp4.numerics = "fast"
+    apply_numerics(fp4, DeepseekV41Numerics.resolve("fast"))
     fast4 = fp4(x)
     ref4 = fake_quant_fp8(x).double() @ fp4.dequantized_weight(torch.float64).T
     for out in (exact4, fast4):
@@ -303,7 +304,7 @@ def test_errors():
         DeepseekV41Linear(4, 4, "int8")
     with pytest.raises(DeepseekV41QuantizationError):
         DeepseekV41Linear(48, 4, "fp4")
-    with pytest.raises(DeepseekV41QuantizationError):
+    with pytest.raises(DeepseekV41NumericsError, match="numerics must be one of"):
         DeepseekV41Linear(32, 4, "fp8", numerics="approx")
     with pytest.raises(DeepseekV41QuantizationError):
         DeepseekV41Linear(64, 32, "fp8")(torch.zeros(1, 64))  # fp32 activation into a quantized GEMM

@@ -14,9 +14,9 @@ import json
 import pytest
 import torch
 
-from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41AttentionState
+from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
-from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import DeepseekV41DecoderLayer
+from deepseek_v41_vl.modeling.decoder_layer_deepseek_v41_vl import DeepseekV41DecoderLayer
 
 from conftest import REPO_ROOT
 

@@ -12,24 +12,13 @@ and e4m3 roundings; negative zeros; several shapes and non-contiguous views; bad
 
 from __future__ import annotations
 
-import importlib
-import os
-
-# must precede the first import of triton: triton.jit picks the interpreter at definition time
-os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import deepseek_v41_vl.modeling.quantization_deepseek_v41_vl as quant_module  # noqa: E402
 import deepseek_v41_vl.triton_ops.fake_quant as fake_quant  # noqa: E402
-import deepseek_v41_vl.triton_ops.quant_linear as quant_linear  # noqa: E402
 
-if not fake_quant._kernel_is_interpreted():
-    # another module imported the kernels before TRITON_INTERPRET was set: redefine them (module
-    # dicts are reused, so the modeling code's imported functions see the new kernels too)
-    quant_linear = importlib.reload(quant_linear)
-    fake_quant = importlib.reload(fake_quant)
 
 # q * s overflowing fp32 for the largest bf16 inputs (as in torch) makes numpy warn in the interpreter
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")

@@ -17,11 +17,7 @@ Plus the golden mHC boundary (the FFN ``pre`` handed to the next block) and the 
 from __future__ import annotations
 
 import json
-import os
 
-# must precede the first import of triton by this process; the kernel is decorated lazily per
-# interpreter mode, so this also holds if another test module imported triton first
-os.environ["TRITON_INTERPRET"] = "1"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -32,8 +28,12 @@ import deepseek_v41_vl.modeling.hyper_connection_deepseek_v41_vl as hc_module  #
 import deepseek_v41_vl.triton_ops.hc_sinkhorn as hc_sinkhorn  # noqa: E402
 from deepseek_v41_vl.modeling.hyper_connection_deepseek_v41_vl import (  # noqa: E402
     DeepseekV41HyperConnection,
-    DeepseekV41HyperConnectionError,
     hc_split_sinkhorn,
+)
+from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import (  # noqa: E402
+    DeepseekV41Numerics,
+    DeepseekV41NumericsError,
+    apply_numerics,
 )
 from deepseek_v41_vl.triton_ops.hc_sinkhorn import (  # noqa: E402
     HcSinkhornError,
@@ -174,31 +174,33 @@ def test_module_dispatch(monkeypatch):
         return DeepseekV41HyperConnection(4, 20, EPS, 1e-20, numerics=numerics).mixes(x, fn, scale, base)
 
     monkeypatch.delenv(hc_sinkhorn.ENV_BACKEND, raising=False)
-    want = run(None)
-    for numerics in (None, "exact", "fast"):  # auto on CPU tensors: torch
+    want = run("exact")
+    for numerics in ("exact", "fast"):  # auto on CPU tensors: torch
         assert all(torch.equal(a, b) for a, b in zip(run(numerics), want))
     assert calls == []
     monkeypatch.setenv(hc_sinkhorn.ENV_BACKEND, "triton")
-    for numerics in (None, "exact"):  # exact numerics never take the kernel
-        assert all(torch.equal(a, b) for a, b in zip(run(numerics), want))
+    assert all(torch.equal(a, b) for a, b in zip(run("exact"), want))  # exact numerics never take the kernel
     assert calls == []
     got = run("fast")
     assert calls == [1]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=REL_BOUND, atol=0)
-    # the attribute is read at each call, as DeepseekV41Linear.numerics is
+    # a module follows the plan it holds: handing it another plan switches it
     module = DeepseekV41HyperConnection(4, 20, EPS, 1e-20)
-    module.numerics = "fast"
+    module.mixes(x, fn, scale, base)
+    assert calls == [1]
+    apply_numerics(module, DeepseekV41Numerics.resolve("fast"))
     module.mixes(x, fn, scale, base)
     assert calls == [1, 1]
-    monkeypatch.setenv(hc_sinkhorn.ENV_BACKEND, "torch")
-    run("fast")
+    apply_numerics(module, DeepseekV41Numerics.resolve("fast", hc_sinkhorn="torch"))
+    module.mixes(x, fn, scale, base)
     assert calls == [1, 1]
     monkeypatch.setenv(hc_sinkhorn.ENV_BACKEND, "tilelang")
-    with pytest.raises(HcSinkhornError, match="backend must be one of"):
+    with pytest.raises(DeepseekV41NumericsError, match="backend must be one of"):
         run("fast")
-    with pytest.raises(DeepseekV41HyperConnectionError, match="numerics must be one of"):
+    with pytest.raises(DeepseekV41NumericsError, match="numerics must be one of"):
         DeepseekV41HyperConnection(4, 20, EPS, 1e-20, numerics="bitwise")
+    monkeypatch.delenv(hc_sinkhorn.ENV_BACKEND)
     assert "numerics=fast" in repr(DeepseekV41HyperConnection(4, 20, EPS, 1e-20, numerics="fast"))
 
 

@@ -15,11 +15,6 @@ rounding or routing weight breaks one of the two by a wide margin.
 
 from __future__ import annotations
 
-import importlib
-import os
-
-# must precede the first import of triton: triton.jit picks the interpreter at definition time
-os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -27,13 +22,9 @@ from torch import nn  # noqa: E402
 
 import deepseek_v41_vl.triton_ops.moe_experts as moe_experts  # noqa: E402
 
-if not moe_experts._kernels_interpreted():
-    # another module imported the kernels before TRITON_INTERPRET was set: redefine them (the
-    # module dict is reused, so the MoE module's imported functions see the new kernels too)
-    moe_experts = importlib.reload(moe_experts)
-
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41TextConfig  # noqa: E402
 from deepseek_v41_vl.modeling.moe_deepseek_v41_vl import DeepseekV41MoE  # noqa: E402
+from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import DeepseekV41Numerics, apply_numerics  # noqa: E402
 from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import fake_quant_fp8  # noqa: E402
 from random_storage import fill_quantized_storage  # noqa: E402
 
@@ -75,7 +66,7 @@ def _assert_close_to_module_math(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def _forward(moe, x, backend, monkeypatch):
-    monkeypatch.setenv(ENV, backend)
+    apply_numerics(moe, DeepseekV41Numerics.resolve(moe.numerics.mode, moe_experts=backend))
     with torch.inference_mode():
         return moe(x)
 

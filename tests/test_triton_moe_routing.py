@@ -5,11 +5,6 @@ interpreter on CPU, against the torch backend; and the torch backend against the
 
 from __future__ import annotations
 
-import importlib
-import os
-
-# must precede the first import of triton: triton.jit picks the interpreter at definition time
-os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -17,9 +12,6 @@ import torch.nn.functional as F  # noqa: E402
 
 import deepseek_v41_vl.triton_ops.moe_routing as moe_routing  # noqa: E402
 
-if not moe_routing._kernel_is_interpreted():
-    # another test module imported the kernel before TRITON_INTERPRET was set: redefine it
-    moe_routing = importlib.reload(moe_routing)
 
 MoERoutingError = moe_routing.MoERoutingError
 route_topk = moe_routing.route_topk

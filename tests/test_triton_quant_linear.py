@@ -20,11 +20,6 @@ torch's cast. Then three kinds of comparison of whole linears:
 
 from __future__ import annotations
 
-import importlib
-import os
-
-# must precede the first import of triton: triton.jit picks the interpreter at definition time
-os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -33,11 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 import deepseek_v41_vl.modeling.quantization_deepseek_v41_vl as quant_module  # noqa: E402
 import deepseek_v41_vl.triton_ops.quant_linear as quant_linear  # noqa: E402
 
-if not quant_linear._kernel_is_interpreted():
-    # another module imported the kernel before TRITON_INTERPRET was set: redefine it (the module
-    # dict is reused, so the modeling code's imported functions see the new kernels too)
-    quant_linear = importlib.reload(quant_linear)
-
+from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import DeepseekV41Numerics, apply_numerics  # noqa: E402
 from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import (  # noqa: E402
     DeepseekV41Linear,
     DeepseekV41QuantizationError,
@@ -46,6 +37,7 @@ from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import (  # noqa: E40
     fake_quant_fp8,
     pack_fp4,
 )
+from helpers import with_backends  # noqa: E402
 
 QuantLinearConfig = quant_linear.QuantLinearConfig
 QuantLinearError = quant_linear.QuantLinearError
@@ -226,11 +218,9 @@ def test_linear_module_dispatch(kind, monkeypatch):
 
     monkeypatch.setattr(quant_module, "quantized_linear_triton", spy)
     x = (torch.randn(2, 3, 96, generator=g) * 2).to(torch.bfloat16)
-    monkeypatch.setenv(quant_linear.ENV_BACKEND, "torch")
-    ref = lin(x)
+    ref = with_backends(lin, quant_linear="torch")(x)
     assert calls == []
-    monkeypatch.setenv(quant_linear.ENV_BACKEND, "triton")
-    y = lin(x)
+    y = with_backends(lin, quant_linear="triton")(x)
     assert calls == [(2, 3, 96)]
     assert y.shape == ref.shape == (2, 3, 40)
     _assert_summation_order_only(y, x, lin.weight, lin.scale, kind)
@@ -238,11 +228,9 @@ def test_linear_module_dispatch(kind, monkeypatch):
     big = (torch.randn(quant_linear.QUANT_LINEAR_MAX_ROWS + 1, 96, generator=g)).to(torch.bfloat16)
     out = lin(big)
     assert len(calls) == 1
-    monkeypatch.setenv(quant_linear.ENV_BACKEND, "torch")
-    assert torch.equal(out, lin(big))
+    assert torch.equal(out, with_backends(lin, quant_linear="torch")(big))
     # exact numerics never take the kernel
-    monkeypatch.setenv(quant_linear.ENV_BACKEND, "triton")
-    lin.numerics = "exact"
+    apply_numerics(lin, DeepseekV41Numerics.resolve("exact", quant_linear="triton"))
     lin(x)
     assert len(calls) == 1
 
@@ -289,8 +277,7 @@ def test_errors(monkeypatch):
     with pytest.raises(QuantLinearError, match="split_k"):
         quantized_linear_triton(x, w8, s8, "fp8", config=QuantLinearConfig(split_k=0))
     # the module raises the project's error for a non-bf16 activation whichever path it takes
-    lin = DeepseekV41Linear(64, 40, "fp8")
-    monkeypatch.setenv(quant_linear.ENV_BACKEND, "triton")
+    lin = with_backends(DeepseekV41Linear(64, 40, "fp8"), quant_linear="triton")
     with pytest.raises(DeepseekV41QuantizationError, match="bfloat16"):
         lin(torch.zeros(1, 64))
 

@@ -6,25 +6,14 @@ take it, and bad arguments.
 
 from __future__ import annotations
 
-import importlib
-import os
-
-# must precede the first import of triton: triton.jit picks the interpreter at definition time
-os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import deepseek_v41_vl.triton_ops.fake_quant as fake_quant  # noqa: E402
-import deepseek_v41_vl.triton_ops.quant_linear as quant_linear  # noqa: E402
 import deepseek_v41_vl.triton_ops.rms_norm as rms_norm  # noqa: E402
-from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41RMSNorm  # noqa: E402
+from deepseek_v41_vl.modeling.layers_deepseek_v41_vl import DeepseekV41RMSNorm  # noqa: E402
+from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import DeepseekV41NumericsError  # noqa: E402
 
-if not rms_norm._kernel_is_interpreted():
-    # imported before TRITON_INTERPRET was set: redefine the kernels (and the helpers they use)
-    quant_linear = importlib.reload(quant_linear)
-    fake_quant = importlib.reload(fake_quant)
-    rms_norm = importlib.reload(rms_norm)
 
 RMSNormKernelError = rms_norm.RMSNormKernelError
 
@@ -75,9 +64,9 @@ def test_fast_numerics_take_the_kernel_exact_numerics_never(monkeypatch):
         calls.append(1)
         return real(*args)
 
-    import deepseek_v41_vl.modeling.attention_deepseek_v41_vl as attention
+    import deepseek_v41_vl.modeling.layers_deepseek_v41_vl as layers
 
-    monkeypatch.setattr(attention, "rms_norm_triton", counting)
+    monkeypatch.setattr(layers, "rms_norm_triton", counting)
     monkeypatch.setenv(rms_norm.ENV_BACKEND, "triton")  # on the CPU: the interpreter
     x = torch.randn(2, 64).to(torch.bfloat16)
     DeepseekV41RMSNorm(64, 1e-6, numerics="exact")(x)
@@ -85,12 +74,15 @@ def test_fast_numerics_take_the_kernel_exact_numerics_never(monkeypatch):
     assert calls == []
     fast = DeepseekV41RMSNorm(64, 1e-6, numerics="fast")
     assert torch.equal(fast(x), real(x, fast.weight, 1e-6)) and calls == [1]
+    # the variable is read once, when the plan is made: a later change does not reach a built module
     monkeypatch.setenv(rms_norm.ENV_BACKEND, "torch")
     fast(x)
-    assert calls == [1]
+    assert calls == [1, 1]
+    DeepseekV41RMSNorm(64, 1e-6, numerics="fast")(x)
+    assert calls == [1, 1]
     monkeypatch.setenv(rms_norm.ENV_BACKEND, "fastest")
-    with pytest.raises(RMSNormKernelError, match="backend must be one of"):
-        fast(x)
+    with pytest.raises(DeepseekV41NumericsError, match="DEEPSEEK_V41_RMSNORM_BACKEND.*backend must be one of"):
+        DeepseekV41RMSNorm(64, 1e-6, numerics="fast")
 
 
 def test_bad_arguments_are_refused():

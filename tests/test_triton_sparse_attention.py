@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import os
 
-# Must precede the first import of triton by this process (triton.jit reads it). The kernel is
-# decorated lazily per interpreter mode, so this also holds if another test module imported triton.
-os.environ["TRITON_INTERPRET"] = "1"
 
 import math  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from deepseek_v41_vl.modeling.attention_deepseek_v41_vl import DeepseekV41AttentionState  # noqa: E402
+from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState  # noqa: E402
 from deepseek_v41_vl.triton_ops import sparse_attention as sa  # noqa: E402
 
 from test_attention import _random_layers, _tiny_config  # noqa: E402

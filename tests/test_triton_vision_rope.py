@@ -5,19 +5,16 @@ complex-number rotation; and the tiny vision tower run with each backend against
 
 from __future__ import annotations
 
-import os
 
-# Must precede the first import of triton by this process (triton.jit reads it). The kernel of
-# vision_rope.py is decorated lazily per interpreter mode, so this also holds if another test
-# module imported triton first.
-os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 import deepseek_v41_vl.triton_ops.vision_rope as vision_rope  # noqa: E402
-from deepseek_v41_vl.modeling.vision_deepseek_v41_vl import capture_boundaries, vision_rope_tables  # noqa: E402
+from deepseek_v41_vl.modeling.debug_deepseek_v41_vl import capture_boundaries  # noqa: E402
+from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import DeepseekV41Numerics, apply_numerics  # noqa: E402
+from deepseek_v41_vl.modeling.vision_deepseek_v41_vl import vision_rope_tables  # noqa: E402
 from deepseek_v41_vl.triton_ops.vision_rope import VisionRopeError, apply_vision_rope, resolve_backend  # noqa: E402
 
 from test_vision import GOLDEN_OUTPUT_BOUNDARIES, golden_inputs, load_golden_tower  # noqa: E402
@@ -161,7 +158,7 @@ def test_tiny_tower_with_the_kernel_equals_fallback_and_golden(golden):
     outputs = load_file(golden / "vision_tiny" / "outputs.safetensors")
     runs = {}
     for backend in ("torch", "triton"):
-        tower.vision.set_rope_backend(backend)
+        apply_numerics(tower, DeepseekV41Numerics.resolve("exact", vision_rope=backend))
         with torch.inference_mode(), capture_boundaries(tower) as records:
             runs[backend] = tower(torch.cat(pixel_values), grids)
         for image in (0, 1):

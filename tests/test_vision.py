@@ -16,18 +16,16 @@ import torch
 from safetensors.torch import load_file
 
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import FLAT_TO_VISION, DeepseekV41VisionConfig
+from deepseek_v41_vl.modeling.debug_deepseek_v41_vl import BOUNDARY_NAMES, capture_boundaries
 from deepseek_v41_vl.modeling.vision_deepseek_v41_vl import (
-    BOUNDARY_NAMES,
     DeepseekV41VisionInputError,
     DeepseekV41VisionPatchUnfold,
-    DeepseekV41VisionTower,
     DeepseekV41VisionTransformer,
-    capture_boundaries,
-    llm_grid,
-    parse_image_grid,
     vision_rope_tables,
 )
-from deepseek_v41_vl.triton_ops.vision_rope import VisionRopeError
+from deepseek_v41_vl.modeling.image_spans_deepseek_v41_vl import llm_grid, parse_image_grid
+from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import DeepseekV41Numerics, DeepseekV41NumericsError
+from golden_models import VisionTower
 
 GOLDEN_IMAGES = ("hubble_deep_field.jpg", "syn_la_w120_h90.png")  # image0, image1 of vision_tiny
 # boundaries stored in vision_tiny/outputs.safetensors; "patches" is checked against preprocess/
@@ -44,8 +42,8 @@ def golden_vision_config(golden) -> DeepseekV41VisionConfig:
     )
 
 
-def load_golden_tower(golden) -> DeepseekV41VisionTower:
-    tower = DeepseekV41VisionTower(golden_vision_config(golden))
+def load_golden_tower(golden) -> VisionTower:
+    tower = VisionTower(golden_vision_config(golden))
     # assign=True keeps the stored dtypes (bf16 linears, fp32 norms), as the reference holds them
     tower.load_state_dict(load_file(golden / "vision_tiny" / "weights.safetensors"), strict=True, assign=True)
     return tower.eval()
@@ -91,7 +89,7 @@ def packed_run(tower, inputs):
 # golden parity
 # ------------------------------------------------------------------------------------------------
 def test_state_dict_is_the_reference_checkpoint_layout(golden):
-    tower = DeepseekV41VisionTower(golden_vision_config(golden))
+    tower = VisionTower(golden_vision_config(golden))
     stored = load_file(golden / "vision_tiny" / "weights.safetensors")
     ours = tower.state_dict()
     assert sorted(ours) == sorted(stored)
@@ -246,10 +244,11 @@ def test_capture_works_on_a_bare_vit_and_refuses_other_models(golden):
     "grid,match",
     [
         ([[2, 2, 3]], "t = 2"),
-        ([[1, 0, 3]], "empty grid"),
+        ([[1, 0, 3]], "must hold positive patch counts"),
         ([[1, 2, 2]], "4 patches but pixel_values has 6"),
-        ([[1, 2, 3, 1]], r"\[n_images >= 1, 3\]"),
-        ([], r"\[n_images >= 1, 3\]"),
+        ([[1, 2, 3, 1]], r"must be \[n_images, 3\] rows"),
+        ([1, 2, 3], r"for one image pass \[\[1, h, w\]\]"),
+        ([], "0 patches but pixel_values has 6"),
     ],
 )
 def test_bad_grid_raises(tower, grid, match):
@@ -275,35 +274,34 @@ def test_parse_image_grid_accepts_tensors_and_lists():
     assert parse_image_grid([(1, 2, 3)]) == [(2, 3)]
 
 
-def test_rope_backend_override_is_validated(golden):
+def test_rope_backend_comes_from_the_plan(golden, monkeypatch):
     config = golden_vision_config(golden)
-    config.rope_backend = "torch"  # a plain attribute on the config, read by every attention block
-    tower = DeepseekV41VisionTower(config)
-    assert all(b.attn.rope_backend == "torch" for b in tower.vision.blocks)
-    config.rope_backend = "cuda"
-    with pytest.raises(VisionRopeError, match="backend must be one of"):
-        DeepseekV41VisionTower(config)
-    tower.vision.set_rope_backend(None)
-    assert all(b.attn.rope_backend is None for b in tower.vision.blocks)
-    with pytest.raises(VisionRopeError, match="backend must be one of"):
-        tower.vision.set_rope_backend("cuda")
+    plan = DeepseekV41Numerics.resolve("fast", vision_rope="torch")
+    tower = VisionTower(config, plan)
+    assert all(b.attn.numerics is plan for b in tower.vision.blocks)  # one plan, held by reference
+    assert plan.backend("vision_rope", torch.device("cuda")) == "torch"
+    monkeypatch.setenv("DEEPSEEK_V41_VISION_ROPE_BACKEND", "cuda")
+    with pytest.raises(DeepseekV41NumericsError, match="DEEPSEEK_V41_VISION_ROPE_BACKEND.*backend must be one of"):
+        VisionTower(config, "fast")
+    with pytest.raises(DeepseekV41NumericsError, match="backend must be one of"):
+        DeepseekV41Numerics.resolve("fast", vision_rope="cuda")
 
 
 # ------------------------------------------------------------------------------------------------
 # the released width
 # ------------------------------------------------------------------------------------------------
-def released_tower_on_meta() -> DeepseekV41VisionTower:
+def released_tower_on_meta() -> VisionTower:
     """`DeepseekV41VisionConfig()` (32 x 1024, aligner 9216 -> 5120) with bf16 linears, on `meta`."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("meta"):
-            return DeepseekV41VisionTower(DeepseekV41VisionConfig())
+            return VisionTower(DeepseekV41VisionConfig())
     finally:
         torch.set_default_dtype(previous)
 
 
-def build_released_tower(seed: int = 0) -> DeepseekV41VisionTower:
+def build_released_tower(seed: int = 0) -> VisionTower:
     """The released-width tower with small uniform random weights (built on `meta` first so
     nothing is initialised twice)."""
     tower = released_tower_on_meta().to_empty(device="cpu")

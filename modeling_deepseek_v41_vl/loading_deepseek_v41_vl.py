@@ -1,10 +1,16 @@
-"""Engram tables resident in host memory while the layers run on GPUs (`device_map`).
+"""Loading, saving and placing DeepSeek-V4.1 with transformers and accelerate: every hook the
+model adds to `from_pretrained`, `save_pretrained` and the dispatch of a `device_map`.
 
-Each Engram table of the released model is ~91.5 GiB (`engram_num_embeddings` ~384M rows x 256
-fp8 values + e8m0 scales), but a forward reads only the rows its hash ids name. A ``device_map``
-entry ``model.layers.{i}.engram.embed: "cpu"`` under a layer on a GPU asks for exactly that: the
-table stays in host memory, the hash ids go to it and the looked-up bf16 rows come back
-(:class:`DeepseekV41EngramEmbedding` moves them).
+- :class:`DeepseekV41LoadingMixin`: the `PreTrainedModel` overrides (``engram_device``, ``--link``
+  folders through `state_dict_adapter_deepseek_v41_vl.py`, packed fp4 viewed not cast, trainable
+  flags kept, disk-offloaded fp4 re-saved, `save_pretrained` in the converted-folder layout).
+- Engram tables resident in host memory while the layers run on GPUs (below).
+
+Engram tables: each table of the released model is ~91.5 GiB (`engram_num_embeddings` ~384M rows
+x 256 fp8 values + e8m0 scales), but a forward reads only the rows its hash ids name. A
+``device_map`` entry ``model.layers.{i}.engram.embed: "cpu"`` under a layer on a GPU asks for
+exactly that: the table stays in host memory, the hash ids go to it and the looked-up bf16 rows
+come back (:class:`DeepseekV41EngramEmbedding` moves them).
 
 accelerate alone cannot do it. Its `dispatch_model` treats every "cpu" entry as OFFLOADED when the
 main device is a GPU (execution on the GPU, an `AlignDevicesHook` that copies the module's weights
@@ -29,13 +35,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
+import os
 from typing import Iterator, Mapping
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from .engram_deepseek_v41_vl import DeepseekV41EngramEmbedding, DeepseekV41EngramError
+from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
+from .quantization_deepseek_v41_vl import DeepseekV41Linear
+from .rope_deepseek_v41_vl import DeepseekV41RotaryEmbedding, rope_inv_frequencies
+from .state_dict_adapter_deepseek_v41_vl import convert_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +63,7 @@ class DeepseekV41EngramPlacementError(DeepseekV41EngramError):
 
 
 # --------------------------------------------------------------------------------------------
-# Device-map arithmetic (pure functions over names and devices)
+# Engram tables: device-map arithmetic (pure functions over names and devices)
 # --------------------------------------------------------------------------------------------
 
 
@@ -237,23 +250,27 @@ def keep_engram_tables_resident():
 # --------------------------------------------------------------------------------------------
 
 
-def _model_class(config):
-    # imported here: the modeling module imports this one
-    from .modeling_deepseek_v41_vl import DeepseekV41ForCausalLM, DeepseekV41ForConditionalGeneration, DeepseekV41Model
+def model_class_for(config) -> type:
+    """The model class `config.architectures` names among the recorded subclasses of
+    :class:`DeepseekV41LoadingMixin`, else DeepseekV41ForConditionalGeneration.
 
-    classes = {
-        cls.__name__: cls for cls in (DeepseekV41ForCausalLM, DeepseekV41ForConditionalGeneration, DeepseekV41Model)
-    }
+    Raises:
+        DeepseekV41ModelError: the model classes were never defined (the modeling module is not
+            imported).
+    """
+    classes = DeepseekV41LoadingMixin._classes
     for name in getattr(config, "architectures", None) or ():
         if name in classes:
             return classes[name]
-    return DeepseekV41ForConditionalGeneration
+    if "DeepseekV41ForConditionalGeneration" not in classes:
+        raise DeepseekV41ModelError("the DeepSeek-V4.1 model classes are not defined: import the modeling module first")
+    return classes["DeepseekV41ForConditionalGeneration"]
 
 
 def empty_model(config, model_class=None) -> nn.Module:
     """`model_class(config)` on the meta device (no memory; sizes and names only). `model_class`
-    None: the class `config.architectures` names, else DeepseekV41ForConditionalGeneration."""
-    model_class = model_class or _model_class(config)
+    None: :func:`model_class_for` the config."""
+    model_class = model_class or model_class_for(config)
     with torch.device("meta"):
         return model_class(config)
 
@@ -418,14 +435,289 @@ def device_map_with_engram_tables(device_map, engram_device: str, model: nn.Modu
     return dict(base, **dict.fromkeys(names, "cpu"))
 
 
+# --------------------------------------------------------------------------------------------
+# Checkpoint loading
+# --------------------------------------------------------------------------------------------
+
+# Routed experts stored as packed fp4: I8 ``[out, in/2]`` on disk, float4_e2m1fn_x2 in the module.
+_FP4_EXPERT_WEIGHT = r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$"
+
+
+@contextlib.contextmanager
+def _checkpoint_tensor_views(model: nn.Module) -> Iterator[None]:
+    """While transformers' loader sets parameters on `model`: an I8 tensor arriving for a packed-fp4
+    weight is re-VIEWED as float4_e2m1fn_x2 (the bytes are the packed E2M1 pairs; a value cast is
+    wrong and not even implemented), and every parameter keeps the `requires_grad` of the module's
+    own (quantized storage is not trainable; the loader would mark every float tensor trainable)."""
+    fp4_modules = {id(m) for m in model.modules() if isinstance(m, DeepseekV41Linear) and m.weight_dtype == "fp4"}
+    ours = {id(m) for m in model.modules()}
+
+    def hook(module, name, param):
+        if id(module) not in ours or param is None:
+            return None
+        if id(module) in fp4_modules and name == "weight" and param.dtype in (torch.int8, torch.uint8):
+            return nn.Parameter(param.detach().view(torch.float4_e2m1fn_x2), requires_grad=False)
+        previous = module._parameters.get(name)
+        if previous is not None and previous.requires_grad != param.requires_grad:
+            param.requires_grad_(previous.requires_grad and param.is_floating_point())
+        return None
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _resave_offloaded_fp4(offload_index: dict, offload_folder: str | None) -> None:
+    """Disk-offloaded packed-fp4 weights: transformers' offload index points at the I8 tensor of the
+    checkpoint with the parameter's dtype (float4_e2m1fn_x2), and accelerate would value-cast it on
+    every load. Each one is re-saved once as F4 in the offload folder (the same bytes) and its
+    index entry repointed (updated in place: the index is handed to the dispatch afterwards).
+
+    Raises:
+        DeepseekV41ModelError: fp4 weights offloaded to disk without an `offload_folder`.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    fp4 = str(torch.float4_e2m1fn_x2).removeprefix("torch.")
+    for name, info in offload_index.items():
+        if info.get("dtype") != fp4 or info.get("safetensors_file") is None:
+            continue
+        with safe_open(info["safetensors_file"], framework="pt") as f:
+            tensor = f.get_tensor(info.get("weight_name", name))
+        if tensor.dtype == torch.float4_e2m1fn_x2:
+            continue
+        if offload_folder is None:
+            raise DeepseekV41ModelError(
+                f"{name} (packed fp4) is offloaded to disk: pass offload_folder to from_pretrained"
+            )
+        path = os.path.join(offload_folder, f"{name}.safetensors")
+        save_file({name: tensor.view(torch.float4_e2m1fn_x2)}, path)
+        info.update(safetensors_file=path, weight_name=name)
+
+
+def _restore_host_tensors(model: nn.Module) -> None:
+    """Rebuild the plain tensor attributes that were created on the meta device (transformers builds
+    the model under ``torch.device("meta")``): the RoPE frequencies, which are attributes, not
+    buffers, so that a dtype cast of the model cannot round them."""
+    for module in model.modules():
+        if isinstance(module, DeepseekV41RotaryEmbedding) and module.inv_freq.is_meta:
+            with torch.device("cpu"):
+                module.inv_freq = rope_inv_frequencies(module.rope_dim, module.base, **module.yarn)
+
+
+def _offloaded_layers_load_whole(module_classes: list[str]):
+    """While `from_pretrained` dispatches a `device_map` with offloaded ("cpu"/"disk") entries: the
+    offloaded decoder layers and ViT blocks bring ALL their weights to the execution device when
+    they start (accelerate's `preload_module_classes`). Without it accelerate loads each submodule's
+    weights only when that submodule is called, and a layer that reads a child's weight directly
+    (the attention's grouped `wo_a` einsum) would see a meta tensor. transformers does not pass the
+    option itself, so its `dispatch_model` is wrapped for the duration of the call. A context
+    manager."""
+
+    def wrap(original):
+        @functools.wraps(original)
+        def dispatch_model(*args, **kwargs):
+            kwargs.setdefault("preload_module_classes", module_classes)
+            return original(*args, **kwargs)
+
+        return dispatch_model
+
+    return wrapped_dispatch_model(wrap)
+
+
+def _official_layout_index(path) -> dict[str, str] | None:
+    """The weight map of a local ``convert --link`` folder (its index ``metadata.layout`` is
+    ``"official"``), else None (a converted folder, a single file, a Hub id)."""
+    if path is None or not os.path.isdir(str(path)):
+        return None
+    index = os.path.join(str(path), "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return None
+    with open(index, encoding="utf-8") as f:
+        data = json.load(f)
+    if (data.get("metadata") or {}).get("layout") != "official":
+        return None
+    return data["weight_map"]
+
+
+class DeepseekV41LoadingMixin:
+    """The loading and saving of the DeepSeek-V4.1 transformers classes (mixed in before
+    `PreTrainedModel`): `from_pretrained` with ``engram_device`` and ``--link`` folders, the
+    loader's tensor views and dtype plan, `save_pretrained` in the converted-folder layout.
+
+    - ``dtype`` "auto" (the default) means bfloat16, the compute dtype; it never changes a stored
+      tensor: the loader casts each stored tensor to the dtype of the parameter it fills, which
+      for a converted folder is its own dtype, and packed fp4 is viewed, never cast.
+    - Every concrete subclass is recorded (:func:`model_class_for`), so a device map can be
+      sized for the class a config's `architectures` names without importing the model here.
+
+    Attributes:
+        remote_code_writer: called as ``writer(save_directory)`` after `save_pretrained` of a
+            class that was not loaded as remote code; the installed package sets it to
+            `conversion/bundle.py: bundle_remote_code` (the flat remote-code copy has none, and
+            there transformers' own `custom_object_save` copies the files).
+    """
+
+    remote_code_writer = None
+    _classes: dict[str, type] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        DeepseekV41LoadingMixin._classes[cls.__name__] = cls
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """`PreTrainedModel.from_pretrained`; ``dtype`` "auto" (the default) means bfloat16, the
+        compute dtype. It never changes a stored tensor: every parameter keeps its module dtype.
+        ``numerics="exact"`` sets `config.text_config.numerics` (bitwise the reference on CPU).
+        A local ``convert --link`` folder (index ``metadata.layout == "official"``) is then filled
+        through the load-time transform (:meth:`_load_official_layout`).
+
+        Engram tables in host memory: a `device_map` entry ``model.layers.{i}.engram.embed: "cpu"``
+        under a layer on a GPU keeps that table resident on the CPU (only hash ids and looked-up
+        rows cross; see the module doc). ``engram_device="cpu"`` adds those
+        entries for every table to the `device_map` given: "auto" / "balanced" /
+        "balanced_low_0" / "sequential" infer the rest over the GPUs without the tables
+        (`engram_offload_device_map`), a dict gets the entries, one device takes all the rest.
+
+        Raises:
+            DeepseekV41ModelError: a ``--link`` folder with a `device_map` other than None / "cpu".
+            DeepseekV41EngramPlacementError: `engram_device` other than "cpu" or without a `device_map`;
+                a table mapped to "cpu" inside an offloaded ("disk", or "cpu" beside GPUs) layer.
+        """
+        if kwargs.get("dtype", kwargs.get("torch_dtype")) in (None, "auto"):
+            kwargs.pop("torch_dtype", None)
+            kwargs["dtype"] = torch.bfloat16
+        path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        engram_device = kwargs.pop("engram_device", None)
+        if engram_device is not None:
+            kwargs["device_map"] = device_map_with_engram_tables(
+                kwargs.get("device_map"), engram_device, cls._empty_for_device_map(path, kwargs), kwargs.get("max_memory")
+            )
+        check_engram_placement(kwargs.get("device_map"))  # before the weights load
+        official = _official_layout_index(path)
+        if official is not None and kwargs.get("device_map") not in (None, "cpu"):
+            raise DeepseekV41ModelError(
+                f"{path} is a --link folder (official tensor layout); it loads on CPU only, without a "
+                f"device_map (got {kwargs['device_map']!r}): convert without --link to use a device_map"
+            )
+        with _offloaded_layers_load_whole(list(cls._no_split_modules)), keep_engram_tables_resident():
+            model = super().from_pretrained(*args, **kwargs)
+        model_or_first = model[0] if isinstance(model, tuple) else model
+        if official is not None:
+            model_or_first._load_official_layout(path, official)
+        model_or_first._suppress_image_token()
+        return model
+
+    @classmethod
+    def _empty_for_device_map(cls, path, kwargs: dict) -> nn.Module:
+        """This class on the meta device for the config `from_pretrained` will use (names and sizes
+        for a device map; the config is read with the same hub arguments)."""
+        from transformers import PretrainedConfig
+
+        config = kwargs.get("config")
+        if not isinstance(config, PretrainedConfig):
+            hub = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies")
+            config = cls.config_class.from_pretrained(
+                config if config is not None else path, **{key: kwargs[key] for key in hub if key in kwargs}
+            )
+        return empty_model(config, cls)
+
+    @torch.no_grad()
+    def _load_official_layout(self, folder, weight_map: dict[str, str]) -> None:
+        """Fill every tensor of a ``--link`` folder (official names in the linked source shards) with
+        `state_dict_adapter_deepseek_v41_vl.convert_state_dict` under this model's config, then
+        ``load_state_dict(strict=True)``. `PreTrainedModel.from_pretrained` cannot do it: it would
+        value-cast the fp8 ``wo_a`` weights (dequantized with their scales by the converter) and
+        leave their scales unexpected; everything it loaded is overwritten here.
+
+        Raises:
+            DeepseekV41ModelError: a missing or unexpected tensor after the transform.
+        """
+        from safetensors import safe_open
+
+        handles = {}
+        try:
+            for file in sorted(set(weight_map.values())):
+                handles[file] = safe_open(os.path.join(folder, file), framework="pt")
+
+            def get_tensor(name: str) -> torch.Tensor:
+                return handles[weight_map[name]].get_tensor(name)
+
+            official = [name for name in weight_map if not name.startswith(f"{self.base_model_prefix}.")]
+            state = dict(convert_state_dict(official, get_tensor, self.config))
+            # the converter's own entries (the Engram token map) already carry the model name
+            state.update({name: get_tensor(name) for name in weight_map if name not in official})
+        finally:
+            handles.clear()
+        expected = self.state_dict()
+        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise DeepseekV41ModelError(
+                f"{folder}: the official-layout weights do not fit the model: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
+            )
+        for name, tensor in state.items():
+            target = expected[name]
+            if target.dtype != tensor.dtype or target.shape != tensor.shape:
+                raise DeepseekV41ModelError(
+                    f"{folder}: {name} is {tensor.dtype} {tuple(tensor.shape)} after the transform, the model "
+                    f"holds {target.dtype} {tuple(target.shape)}"
+                )
+            # byte copy: copy_ has no kernel for the 1-byte float formats (packed fp4, e8m0)
+            if target.element_size() == 1:
+                target.view(torch.uint8).copy_(tensor.view(torch.uint8))
+            else:
+                target.copy_(tensor)
+
+    def _get_dtype_plan(self, dtype: torch.dtype) -> dict:
+        """Loader dtype rules: only packed fp4 needs one (None = take the stored I8 as is; the
+        parameter hook views it). Every other tensor is cast to its parameter's own dtype."""
+        if self.config.text_config.expert_weight_dtype == "fp4":
+            return {_FP4_EXPERT_WEIGHT: None}
+        return {}
+
+    @staticmethod
+    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+        with _checkpoint_tensor_views(model):
+            result = PreTrainedModel._load_pretrained_model(
+                model, state_dict, checkpoint_files, load_config, *args, **kwargs
+            )
+        _restore_host_tensors(model)
+        if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
+            _resave_offloaded_fp4(result[1], getattr(load_config, "disk_offload_folder", None))
+        return result
+
+    def save_pretrained(self, save_directory, *args, state_dict: dict | None = None, **kwargs):
+        """`PreTrainedModel.save_pretrained`, writing the converted-folder layout: packed fp4 as I8
+        (safetensors' F4 entries cannot be read back in slices) and, for a model of the installed
+        package, the remote-code files and `auto_map` (:attr:`remote_code_writer`), so the saved
+        folder loads like a converted one, with or without the package."""
+        if state_dict is None and not any(t.is_meta for t in self.state_dict().values()):
+            state_dict = {
+                name: tensor.view(torch.int8) if tensor.dtype == torch.float4_e2m1fn_x2 else tensor
+                for name, tensor in self.state_dict().items()
+            }
+        result = super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
+        writer = DeepseekV41LoadingMixin.remote_code_writer
+        if writer is not None and getattr(self, "_auto_class", None) is None:
+            writer(save_directory)
+        return result
+
+
 __all__ = [
     "DeepseekV41EngramPlacementError",
+    "DeepseekV41LoadingMixin",
     "check_engram_placement",
     "device_map_with_engram_tables",
     "empty_model",
     "engram_offload_device_map",
     "engram_table_names",
     "keep_engram_tables_resident",
-    "wrapped_dispatch_model",
+    "model_class_for",
     "resident_engram_tables",
+    "wrapped_dispatch_model",
 ]

@@ -7,7 +7,7 @@ tensor while loading with :func:`convert_tensor` (or :func:`convert_state_dict` 
 the folder's own config. The same function defines what the written (non-link) conversion stores,
 and ``convert --verify`` checks the written tensors against it.
 
-What it does to one official tensor (the rules are the name table of `checkpoint_names.py`):
+What it does to one official tensor (the rules are the name table of `checkpoint_names_deepseek_v41_vl.py`):
 
 - target name: ``model.`` + official name (``layers.3.ffn.gate.bias_vl`` ->
   ``model.layers.3.ffn.gate.bias_vl``);
@@ -31,8 +31,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from ..modeling.quantization_deepseek_v41_vl import dequantize_fp4_weight, dequantize_fp8_weight
-from .checkpoint_names import EXPERT, DeepseekV41ConversionError, TensorPlan, plan_tensor, rule_for
+from .quantization_deepseek_v41_vl import dequantize_fp4_weight, dequantize_fp8_weight
+from .checkpoint_names_deepseek_v41_vl import EXPERT, DeepseekV41ConversionError, TensorPlan, plan_tensor, rule_for
 
 # torch dtype -> safetensors dtype string (fp4 experts are stored as I8)
 TORCH_TO_SAFETENSORS = {

@@ -1,0 +1,259 @@
+"""What one forward of the attention stack shares, and the index lists its layers build.
+
+- :class:`DeepseekV41AttentionState`: the hand-down slots of one forward (compressed KV and index
+  keys published by kv sources, top-k indices by index sources, candidate blocks by the candidate
+  source), around the :class:`DeepseekV41AttentionCache` that persists across forwards. The
+  caller makes one per forward and passes it to every layer in order; nothing is kept in module
+  globals. Mirrors `inference/model.py: SharedAttentionRuntime` (`shared_attn`).
+- Left padding: :func:`left_padding_offsets` reads it from a transformers attention mask and
+  :func:`check_same_padding` checks a later forward against the cache; every row then runs as if
+  it started at its first real token (see `attention_deepseek_v41_vl.py`).
+- The window index lists of prefills, prefill chunks and one-token steps
+  (:func:`window_topk_idxs`, :func:`chunk_window_idxs`, :func:`decode_window_idxs`,
+  :func:`decode_window_idxs_at`). Mirrors `inference/model.py: get_window_topk_idxs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache_deepseek_v41_vl import DeepseekV41AttentionCache
+from .exceptions_deepseek_v41_vl import DeepseekV41AttentionError
+
+
+@dataclass
+class DeepseekV41AttentionState:
+    """Hand-down slots of one forward pass, created by the caller and passed to every layer in order.
+
+    Mirrors `inference/model.py: SharedAttentionRuntime` (`shared_attn`), without the module global.
+
+    Attributes:
+        start_pos: absolute position of the first token of this forward (0 = prefill).
+        cache: persistent per-layer caches (a fresh one when not given).
+        topk_idxs: index source layer -> its top-k compressed indices ``[B, S, k]`` (int32, already
+            offset into the concatenated KV, -1 = none).
+        candidates: ``numerics="exact"``: the candidate source's bool mask ``[B, S, T]``, as the
+            reference keeps it (None until it ran).
+        candidate_blocks: ``numerics="fast"``: the candidate source's kept block ids
+            ``[B, S, min(candidate_topk_blocks, ceil(T / candidate_block_size))]``, -1 = none,
+            int16 (int32 past 32767 blocks) (None until it ran). The same set as `candidates`, in
+            O(S x candidate_topk_blocks) memory instead of O(S x T).
+        record_index_scores: keep each indexer's masked scores in `index_scores` (tests, analysis).
+        pad_offsets: int64 ``[B]`` pad tokens before each row's first real token (left padding;
+            positions are then counted per row from its first real token), or None. `start_pos`
+            stays the padded column index of the first token of this forward.
+    """
+
+    start_pos: int = 0
+    cache: DeepseekV41AttentionCache = field(default_factory=DeepseekV41AttentionCache)
+    topk_idxs: dict[int, torch.Tensor] = field(default_factory=dict)
+    candidates: torch.Tensor | None = None
+    record_index_scores: bool = False
+    index_scores: dict[int, torch.Tensor] = field(default_factory=dict)
+    candidate_blocks: torch.Tensor | None = None  # last: keeps the older fields' positions
+    pad_offsets: torch.Tensor | None = None
+    _pads: list[int] | None = field(default=None, init=False, repr=False)  # pad_offsets on the host
+    # tables every layer of a one-token step would build alike (RoPE rows, window index lists),
+    # built by the first layer that asks: each saves a few kernel launches per layer and step
+    _step_tables: dict = field(default_factory=dict, init=False, repr=False)
+
+    def step_table(self, key: tuple, build):
+        """`build()` once per forward for `key`; later calls return the same (read-only) tensor."""
+        if key not in self._step_tables:
+            self._step_tables[key] = build()
+        return self._step_tables[key]
+
+    def positions(self, seqlen: int, device=None) -> torch.Tensor:
+        """Positions of this forward's tokens: int64 ``[S]`` (start_pos .. start_pos + S - 1), or
+        with `pad_offsets` ``[B, S]`` counted from each row's first real token (pads negative)."""
+        pos = torch.arange(self.start_pos, self.start_pos + seqlen, device=device)
+        if self.pad_offsets is None:
+            return pos
+        return pos - self.pad_offsets.to(device=pos.device, dtype=torch.int64).unsqueeze(1)
+
+    def _host_pads(self) -> list[int]:
+        if self.pad_offsets is None:
+            return [0]
+        if self._pads is None:
+            self._pads = self.pad_offsets.tolist()  # one device sync per forward
+        return self._pads
+
+    def real_ends(self, seqlen: int) -> list[int]:
+        """Per batch row: real tokens up to the end of this forward of `seqlen` tokens (the row's
+        sequence length so far). Without padding a single entry, ``start_pos + S``."""
+        end = self.start_pos + seqlen
+        return [max(0, end - pad) for pad in self._host_pads()]
+
+    def min_pad(self) -> int:
+        """The fewest pad tokens of any batch row (0 without padding)."""
+        return min(self._host_pads())
+
+    def rank_ends(self, seqlen: int) -> list[int]:
+        """Per batch row: the sequence length whose widths this forward's index lists take (see
+        `DeepseekV41AttentionCache.prefill_length`): the real length so far, or for a chunk of a
+        prompt of known length the row's length at the end of the prompt."""
+        ends = self.real_ends(seqlen)
+        total = self.cache.prefill_length
+        if total is None or seqlen == 1 or self.start_pos + seqlen > total:
+            return ends
+        return [max(end, total - pad) for end, pad in zip(ends, self._host_pads())]
+
+    def window_span(self, seqlen: int) -> int:
+        """Padded columns whose window layout this multi-token forward takes (one prefill's)."""
+        total = self.cache.prefill_length
+        end = self.start_pos + seqlen
+        return max(end, total) if total is not None and end <= total else end
+
+    def max_real_end(self, seqlen: int) -> int:
+        """The longest row's sequence length after this forward (``start_pos + S`` unpadded)."""
+        return max(self.real_ends(seqlen))
+
+
+
+# --------------------------------------------------------------------------- padding
+
+
+def left_padding_offsets(attention_mask: torch.Tensor | None, past_length: int, seqlen: int) -> torch.Tensor | None:
+    """Pad tokens before each row's first real token, from a transformers attention mask.
+
+    Args:
+        attention_mask: ``[B, past_length + S]`` (1 = token, 0 = padding) covering every position
+            so far, as `generate` passes it; None = no padding.
+        past_length: positions processed before this forward.
+        seqlen: S, the tokens of this forward.
+
+    Returns:
+        int64 ``[B]`` (the leading zeros of each row; a row padded throughout gets the mask width),
+        or None when no row has padding.
+
+    Raises:
+        DeepseekV41AttentionError: a mask of another width, values other than 0/1, or padding that
+            is not on the left (a 0 after a 1).
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.size(1) != past_length + seqlen:
+        raise DeepseekV41AttentionError(
+            f"attention_mask must be [batch, past + seq] = [B, {past_length + seqlen}], got {tuple(attention_mask.shape)}"
+        )
+    mask = attention_mask.to(torch.int64)
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise DeepseekV41AttentionError("attention_mask must hold only 0 (padding) and 1 (token)")
+    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+        raise DeepseekV41AttentionError(
+            "only left padding is supported: attention_mask has a 0 after a 1 (pad the batch on the left)"
+        )
+    pads = (mask == 0).sum(dim=1)
+    return pads if bool(pads.any()) else None
+
+
+def check_same_padding(recorded: torch.Tensor | None, pads: torch.Tensor | None, start_pos: int, batch: int) -> None:
+    """A forward after position 0: its attention mask must pad the cached positions as the cache
+    records (left padding per row; a row still padded throughout may stay so).
+
+    Raises:
+        DeepseekV41AttentionError: a row whose padding differs.
+    """
+    if recorded is None and pads is None:
+        return
+    device = (pads if pads is not None else recorded).device
+    zeros = torch.zeros(batch, dtype=torch.int64, device=device)
+    old = zeros if recorded is None else recorded.to(device=device, dtype=torch.int64)
+    new = zeros if pads is None else pads.to(torch.int64)
+    if old.shape != new.shape:
+        raise DeepseekV41AttentionError(f"attention_mask has {new.numel()} rows, the cache {old.numel()}")
+    started = old < start_pos  # rows with a real token in the cache
+    bad = torch.where(started, new != old, new < start_pos)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise DeepseekV41AttentionError(
+            f"attention_mask row {row} pads {int(new[row])} leading positions; the cache holds that row with "
+            f"{int(old[row])} (padding is fixed at the prefill: pass the mask of every position so far)"
+        )
+
+
+# --------------------------------------------------------------------------- window index lists
+
+
+def window_topk_idxs(window: int, batch: int, seqlen: int, start_pos: int, device=None) -> torch.Tensor:
+    """Window KV rows each query attends to, int32 ``[B, S, min(S, W)]`` (prefill) or ``[B, 1, W]``.
+
+    Prefill: query t sees rows max(0, t-W+1) .. t of the chunk (-1 pads t < W-1). Decode: the ring
+    slots oldest to newest, -1 for slots not yet written. Mirrors `model.py: get_window_topk_idxs`.
+    """
+    if start_pos == 0:
+        last = torch.arange(seqlen, device=device).unsqueeze(1)
+        idxs = (last - window + 1).clamp(0) + torch.arange(min(seqlen, window), device=device)
+        idxs = torch.where(idxs > last, -1, idxs)
+    else:
+        oldest = start_pos % window + 1
+        idxs = torch.cat([torch.arange(oldest, window, device=device), torch.arange(oldest, device=device)])
+        idxs = torch.where(idxs > start_pos, -1, idxs).unsqueeze(0)
+    return idxs.int().unsqueeze(0).expand(batch, -1, -1).contiguous()
+
+
+def chunk_window_idxs(
+    window: int,
+    batch: int,
+    seqlen: int,
+    start_pos: int,
+    pad_offsets: torch.Tensor | None = None,
+    device=None,
+    span: int | None = None,
+) -> torch.Tensor:
+    """Window rows of a multi-token forward (a prefill, or a prefill chunk after position 0).
+
+    The KV rows are this forward's S rows, preceded (start_pos > 0) by the `window` ring slots of
+    the earlier positions (slot = position % window). Query t (padded column start_pos + i) sees
+    the positions max(t - window + 1, first real position of its row) .. t, ascending in columns
+    0, 1, ..., then -1: the layout of a one-shot prefill, so a chunk's rows match it.
+
+    Returns:
+        int32 ``[B, S, min(window, span)]`` (`span` defaults to start_pos + S: the layout of a
+        prefill ending here); at start_pos 0 without padding exactly :func:`window_topk_idxs`.
+    """
+    pos = torch.arange(start_pos, start_pos + seqlen, device=device)
+    width = min(window, max(start_pos + seqlen, span or 0))
+    low = (pos - window + 1).clamp_min(0).unsqueeze(0)  # [1, S]
+    if pad_offsets is not None:
+        low = torch.maximum(low, pad_offsets.to(device=pos.device, dtype=torch.int64).unsqueeze(1))  # [B, S]
+    seen = low.unsqueeze(-1) + torch.arange(width, device=pos.device)  # positions, [.., S, width]
+    if start_pos > 0:
+        rows = torch.where(seen < start_pos, seen % window, window + seen - start_pos)
+    else:
+        rows = seen
+    idxs = torch.where(seen > pos.unsqueeze(-1), -1, rows).int()
+    return idxs.expand(batch, -1, -1).contiguous()
+
+
+def decode_window_idxs(window: int, batch: int, start_pos: int, pad_offsets: torch.Tensor | None = None, device=None):
+    """Ring slots of a one-token step, oldest to newest (:func:`window_topk_idxs`), with the slots
+    of a left-padded row's pad positions set to -1. int32 ``[B, 1, window]``."""
+    idxs = window_topk_idxs(window, batch, 1, start_pos, device)
+    if pad_offsets is None:
+        return idxs
+    # column c holds position start_pos - window + 1 + c
+    held = torch.arange(start_pos - window + 1, start_pos + 1, device=idxs.device)
+    pads = pad_offsets.to(device=idxs.device, dtype=torch.int64).view(-1, 1, 1)
+    return torch.where(held < pads, -1, idxs).int()
+
+
+def decode_window_idxs_at(window: int, batch: int, pos: torch.Tensor) -> torch.Tensor:
+    """:func:`decode_window_idxs` without padding, from the step's position as a device tensor
+    (int64 ``[1]``): the same int32 ``[B, 1, window]``, built without the host (graph-safe)."""
+    slots = (pos % window + 1 + torch.arange(window, device=pos.device)) % window  # oldest first
+    slots = torch.where(slots > pos, -1, slots).int()
+    return slots.view(1, 1, window).expand(batch, 1, window).contiguous()
+
+
+__all__ = [
+    "DeepseekV41AttentionState",
+    "check_same_padding",
+    "chunk_window_idxs",
+    "decode_window_idxs",
+    "decode_window_idxs_at",
+    "left_padding_offsets",
+    "window_topk_idxs",
+]

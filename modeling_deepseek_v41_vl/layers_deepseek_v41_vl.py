@@ -1,0 +1,86 @@
+"""Small layers shared by the language backbone and the vision tower: RMSNorm, the output head,
+and the device and dtype contexts the blocks run in."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..triton_ops.rms_norm import MAX_COLS as RMS_NORM_MAX_COLS
+from ..triton_ops.rms_norm import rms_norm_triton
+from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
+
+
+class DeepseekV41RMSNorm(nn.Module):
+    """y = weight * x / sqrt(mean(x^2) + eps), computed in fp32, cast back to x's dtype.
+
+    Mirrors `inference/model.py: RMSNorm`. The weight holds bf16 values (the checkpoint's); it is
+    promoted to fp32 for the product, so holding it in fp32 gives identical results. In fast
+    numerics bf16 rows on CUDA go through one Triton kernel (`triton_ops/rms_norm.py`; the same
+    formula, the mean summed in another order; the plan's ``rms_norm`` backend decides).
+
+    Args:
+        dim: the normalized width. eps: added to the mean square.
+        numerics: the model's plan (:class:`DeepseekV41Numerics`) or a mode name.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-20, numerics: DeepseekV41Numerics | str = "exact"):
+        super().__init__()
+        self.eps = eps
+        self.numerics = as_numerics(numerics)
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            x.dtype == torch.bfloat16
+            and self.weight.dtype == torch.bfloat16
+            and x.size(-1) <= RMS_NORM_MAX_COLS
+            and self.numerics.backend("rms_norm", x.device) == "triton"
+        ):
+            return rms_norm_triton(x, self.weight, self.eps)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x).to(dtype)
+
+
+class DeepseekV41Head(nn.Module):
+    """Output projection, held and computed in fp32 (the checkpoint stores bf16). Untied.
+
+    Mirrors `inference/model.py: ParallelHead` (one shard). Parameter: ``weight`` fp32 ``[V, D]``.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=torch.float32))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[..., D]`` (bf16) -> fp32 logits ``[..., V]``."""
+        return F.linear(hidden_states.float(), self.weight)
+
+
+def on_device(device: torch.device):
+    """Make `device` the current CUDA device for a block placed on another GPU by a device_map
+    (Triton kernels launch on the current device's stream, and so does a CUDA-graph replay)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Build modules under `dtype` as torch's default: the reference builds its modules under
+    `torch.set_default_dtype(bf16)`, and modules that take their dtype from the default (the
+    vision tower's nn.Linear) are built the same way here."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+__all__ = ["DeepseekV41Head", "DeepseekV41RMSNorm", "default_dtype", "on_device"]

@@ -1,0 +1,22 @@
+"""Small helpers several test modules share (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import DeepseekV41Numerics, apply_numerics
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want||, in float64 on the CPU."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    return ((got - want).norm() / want.norm()).item()
+
+
+def with_backends(module: nn.Module, **backends: str) -> nn.Module:
+    """Hand `module` (and its submodules) a plan of its current numerics mode with the given kernel
+    backends (op name -> "auto" / "triton" / "torch"), the public way to switch a built module."""
+    mode = next(m.numerics.mode for m in module.modules() if isinstance(getattr(m, "numerics", None), DeepseekV41Numerics))
+    apply_numerics(module, DeepseekV41Numerics.resolve(mode, **backends))
+    return module
