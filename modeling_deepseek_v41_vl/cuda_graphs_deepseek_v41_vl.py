@@ -120,7 +120,11 @@ class GraphedSegment:
 
     def _capture(self, args, context) -> tuple[torch.cuda.CUDAGraph, list, object]:
         fn = self.fn if context is None else (lambda *a: self.fn(context, *a))
-        inputs = [a if (a is None or i in self.borrowed) else a.clone() for i, a in enumerate(args)]
+        # the graph's own input buffers are normal tensors even when the capture runs under
+        # torch.inference_mode(): later replays outside it (generate() runs under no_grad) copy
+        # into them, which an inference tensor refuses
+        with torch.inference_mode(False):
+            inputs = [a if (a is None or i in self.borrowed) else a.clone() for i, a in enumerate(args)]
         stream = torch.cuda.Stream(device=next(a for a in args if a is not None).device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -131,7 +135,8 @@ class GraphedSegment:
         torch.cuda.current_stream().wait_stream(stream)
         kept = {}
         if self.clone_outputs and self.clone_first is not None and isinstance(warm, tuple):
-            kept = {i: torch.empty_like(o) for i, o in enumerate(warm) if i >= self.clone_first and o is not None}
+            with torch.inference_mode(False):
+                kept = {i: torch.empty_like(o) for i, o in enumerate(warm) if i >= self.clone_first and o is not None}
         del warm
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=_capture_stream(stream.device)):

@@ -46,6 +46,7 @@ pytestmark = [
 import deepseek_v41_vl.triton_ops.moe_routing as moe_routing  # noqa: E402
 import deepseek_v41_vl.triton_ops.vision_rope as vision_rope  # noqa: E402
 from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState  # noqa: E402
+from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache  # noqa: E402
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41VisionConfig  # noqa: E402
 from deepseek_v41_vl.modeling.debug_deepseek_v41_vl import capture_intermediates  # noqa: E402
 from deepseek_v41_vl.modeling.vision_deepseek_v41_vl import (
@@ -399,6 +400,29 @@ def hf_all_gpu_run(golden: Path, folder: Path) -> dict:
         tokens = model.generate(**inputs, do_sample=False, max_new_tokens=13)[:, inputs["input_ids"].shape[1] :]
         _HF["all_gpu"] = {"model": model, "logits": logits, "tokens": tokens.tolist()}
     return _HF["all_gpu"]
+
+
+def test_generate_after_a_decode_loop_under_inference_mode(golden, converted_tiny_fp8):
+    """A manual decode loop under `torch.inference_mode()` captures decode graphs; `generate`
+    (under no_grad) then replays them. A one-token prompt makes the first steps take the piecewise
+    head and tail graphs, which are keyed by shape only and so shared across caches: their input
+    buffers must not be inference tensors (it failed with "Inplace update to inference tensor
+    outside InferenceMode")."""
+    from transformers import AutoModelForImageTextToText
+
+    reference = hf_all_gpu_run(golden, converted_tiny_fp8)["model"]
+    model = AutoModelForImageTextToText.from_pretrained(converted_tiny_fp8, numerics="fast", device_map=0)
+    inputs, _ = hf_vl_inputs(golden, converted_tiny_fp8)
+    prompt = {"input_ids": inputs["input_ids"][:, :1], "attention_mask": inputs["attention_mask"][:, :1]}
+    cache = DeepseekV41Cache(model.config)
+    with torch.inference_mode():
+        token = model(**prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(4):
+            token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    captured = sum(len(s) for layer in model.model.layers for s in (layer._decode_segments or {}).values())
+    assert captured > 0  # graphs were captured under inference mode
+    tokens = model.generate(**prompt, do_sample=False, max_new_tokens=8)
+    assert tokens.tolist() == reference.generate(**prompt, do_sample=False, max_new_tokens=8).tolist()
 
 
 def _engram_split_map(model, form: str) -> dict:
