@@ -26,7 +26,6 @@ import argparse
 import itertools
 import json
 import math
-import os
 import statistics
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import triton.testing
 
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41TextConfig
 from deepseek_v41_vl.modeling.moe_deepseek_v41_vl import DeepseekV41MoE
+from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import apply_numerics
 from deepseek_v41_vl.triton_ops import moe_experts as kernels
 
 REPO = Path(__file__).resolve().parent.parent
@@ -139,18 +139,13 @@ def bench_tokens(moe, n_tokens: int, device, sweep: bool) -> list[str]:
         rows = []
         grouped_ms = triton.testing.do_bench(lambda: moe._routed_grouped(x, weights, indices), warmup=5, rep=200)
         rows.append(["grouped path (tree's linears)", grouped_ms, nbytes / grouped_ms / 1e6, "reference"])
-        saved = os.environ.get("DEEPSEEK_V41_QUANT_LINEAR_BACKEND")
-        os.environ["DEEPSEEK_V41_QUANT_LINEAR_BACKEND"] = "torch"
+        plan = moe.numerics
+        apply_numerics(moe, plan.replace(quant_linear="torch"))  # the module's plan, not the environment
         try:
             torch_ms = triton.testing.do_bench(lambda: moe._routed_grouped(x, weights, indices), warmup=3, rep=200)
             rows.append(["grouped path, dequantize + cuBLAS linears", torch_ms, nbytes / torch_ms / 1e6, "-"])
-        except Exception as exc:  # noqa: BLE001 - an env var the tree may not know
-            rows.append(["grouped path, dequantize + cuBLAS linears", "n/a", "n/a", type(exc).__name__])
         finally:
-            if saved is None:
-                os.environ.pop("DEEPSEEK_V41_QUANT_LINEAR_BACKEND")
-            else:
-                os.environ["DEEPSEEK_V41_QUANT_LINEAR_BACKEND"] = saved
+            apply_numerics(moe, plan)
         routes = disjoint_routes(moe, n_tokens, GRAPH_CALLS, device)
         graph_bytes = sum(expert_bytes(moe, int(ids.unique().numel())) for ids, _ in routes) / len(routes)
         for mma in ("scaled", "manual"):
@@ -174,10 +169,11 @@ def bench_tokens(moe, n_tokens: int, device, sweep: bool) -> list[str]:
     with torch.inference_mode():
         xs = x.view(1, n_tokens, -1)
         times = {}
+        plan = moe.numerics
         for backend in ("triton", "torch"):
-            os.environ[kernels.ENV_BACKEND] = backend
+            apply_numerics(moe, plan.replace(moe_experts=backend))
             times[backend] = triton.testing.do_bench(lambda: moe(xs), warmup=3, rep=200)
-        os.environ.pop(kernels.ENV_BACKEND)
+        apply_numerics(moe, plan)
     lines.append(f"\nwhole MoE forward, eager: kernel path {times['triton']:.3f} ms, grouped path {times['torch']:.3f} ms")
 
     if sweep:

@@ -85,7 +85,7 @@ from .compressor_deepseek_v41_vl import compressor_for_layer
 from .exceptions_deepseek_v41_vl import DeepseekV41AttentionError
 from .indexer_deepseek_v41_vl import DeepseekV41Indexer
 from .layers_deepseek_v41_vl import DeepseekV41RMSNorm
-from .numerics_deepseek_v41_vl import DeepseekV41Numerics
+from .numerics_deepseek_v41_vl import DeepseekV41Numerics, plan_for
 from .quantization_deepseek_v41_vl import DeepseekV41Linear, fake_quant_fp4, fake_quant_fp8
 from .rope_deepseek_v41_vl import DeepseekV41RotaryEmbedding, apply_rotary
 
@@ -174,10 +174,10 @@ class DeepseekV41Attention(nn.Module):
     Mirrors `inference/model.py: Attention`.
     """
 
-    def __init__(self, config, layer_id: int, numerics: DeepseekV41Numerics | None = None):
+    def __init__(self, config, layer_id: int, numerics: DeepseekV41Numerics | str | None = None):
         super().__init__()
         weight_dtype = config.weight_dtype
-        numerics = numerics if numerics is not None else DeepseekV41Numerics.resolve(config.numerics)
+        numerics = plan_for(config, numerics)
         self.numerics = numerics
         self.layer_id = layer_id
         self.n_heads = config.num_attention_heads

@@ -111,7 +111,6 @@ class DeepseekV41AttentionState:
         return max(self.real_ends(seqlen))
 
 
-
 # --------------------------------------------------------------------------- padding
 
 

@@ -248,7 +248,6 @@ class DeepseekV41AttentionCache:
         return keys
 
 
-
 class DeepseekV41CacheLayer(CacheLayerMixin):
     """transformers' view of one layer's decode state (:class:`DeepseekV41LayerAttentionCache`).
 

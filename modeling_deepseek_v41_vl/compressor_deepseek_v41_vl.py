@@ -61,7 +61,6 @@ class DeepseekV41Latents:
         return buffer
 
 
-
 class DeepseekV41LatentCompressor(nn.Module):
     """Ratio 1: every token is its own latent, norm(wkv(x)) with a bf16 `wkv`.
 

@@ -111,6 +111,17 @@ FLAT_RUNTIME_ONLY = ("max_batch_size", "max_seq_len", "temperature")
 NUMERICS_MODES = ("fast", "exact")
 
 
+def check_numerics_mode(value, error: type[Exception] | None = None) -> str:
+    """`value` when it is one of :data:`NUMERICS_MODES`.
+
+    Raises:
+        error (default :class:`DeepseekV41ConfigError`): any other value.
+    """
+    if value not in NUMERICS_MODES:
+        raise (error or DeepseekV41ConfigError)(f"numerics must be one of {NUMERICS_MODES}, got {value!r}")
+    return value
+
+
 class DeepseekV41ConfigError(ValueError):
     """A configuration value is missing, unknown or inconsistent."""
 
@@ -387,8 +398,7 @@ class DeepseekV41TextConfig(PretrainedConfig):
             raise DeepseekV41ConfigError(
                 f"expert_weight_dtype must be 'fp4', 'fp8' or 'bf16', got {self.expert_weight_dtype!r}"
             )
-        if self.numerics not in NUMERICS_MODES:
-            raise DeepseekV41ConfigError(f"numerics must be one of {NUMERICS_MODES}, got {self.numerics!r}")
+        check_numerics_mode(self.numerics)
         n_total = self.num_hidden_layers + self.num_nextn_predict_layers
         if len(self.compress_ratios) != n_total:
             raise DeepseekV41ConfigError(
@@ -534,9 +544,7 @@ class DeepseekV41Config(PretrainedConfig):
     @numerics.setter
     def numerics(self, value: str) -> None:
         # `from_pretrained(dir, numerics="exact")` sets config attributes after construction
-        if value not in NUMERICS_MODES:
-            raise DeepseekV41ConfigError(f"numerics must be one of {NUMERICS_MODES}, got {value!r}")
-        self.text_config.numerics = value
+        self.text_config.numerics = check_numerics_mode(value)
 
     @classmethod
     def from_reference_args(cls, args: dict[str, Any] | str | os.PathLike, **overrides) -> "DeepseekV41Config":

@@ -233,7 +233,6 @@ def graph_pool(device: torch.device):
     return _GRAPH_POOLS[key][0]
 
 
-
 def layer_segment(layer, name, device: torch.device, run: list | None = None) -> GraphedSegment:
     """The graphed segment `name` of decoder `layer` ("whole", "head", "tail", or ("run", ids) for a
     run of layers starting at it: `run` its layers), made on first use and kept on the layer

@@ -109,8 +109,6 @@ BOUNDARY_NAMES = (
 )
 
 
-
-
 def _find_one(model: nn.Module, cls: type) -> nn.Module | None:
     found = [m for m in model.modules() if isinstance(m, cls)]
     if len(found) > 1:

@@ -22,7 +22,7 @@ from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from .hyper_connection_deepseek_v41_vl import DeepseekV41HyperConnection
 from .layers_deepseek_v41_vl import DeepseekV41RMSNorm, on_device
 from .moe_deepseek_v41_vl import DeepseekV41MoE
-from .numerics_deepseek_v41_vl import DeepseekV41Numerics
+from .numerics_deepseek_v41_vl import DeepseekV41Numerics, plan_for
 
 
 class DeepseekV41DecoderLayer(nn.Module):
@@ -41,9 +41,9 @@ class DeepseekV41DecoderLayer(nn.Module):
             (default: `config.numerics` with the environment's backends).
     """
 
-    def __init__(self, config: DeepseekV41TextConfig, layer_idx: int, numerics: DeepseekV41Numerics | None = None):
+    def __init__(self, config: DeepseekV41TextConfig, layer_idx: int, numerics: DeepseekV41Numerics | str | None = None):
         super().__init__()
-        numerics = numerics if numerics is not None else DeepseekV41Numerics.resolve(config.numerics)
+        numerics = plan_for(config, numerics)
         self.layer_idx = layer_idx
         hc, dim = config.hc_mult, config.hidden_size
         self.attn_norm = DeepseekV41RMSNorm(dim, config.rms_norm_eps, numerics)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_deepseek_v41_vl import DeepseekV41TextConfig
-from .numerics_deepseek_v41_vl import DeepseekV41Numerics
+from .numerics_deepseek_v41_vl import DeepseekV41Numerics, plan_for
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
 
 # A compressed id that stops every n-gram reaching back over it (`NgramHashState.DEAD`).
@@ -497,7 +497,7 @@ class DeepseekV41EngramEmbedding(nn.Module):
 
     The table may live on another device than the layer that calls it (a ``device_map`` entry
     ``model.layers.{i}.engram.embed: "cpu"`` keeps it in host memory while the layer runs on a GPU,
-    see `engram_placement_deepseek_v41_vl.py`): then only the indices travel to the table and only
+    see `loading_deepseek_v41_vl.py`): then only the indices travel to the table and only
     the looked-up bf16 rows travel back.
     """
 
@@ -566,7 +566,7 @@ class DeepseekV41Engram(nn.Module):
         DeepseekV41EngramError: `layer_idx` is not an Engram layer, or the layout is inconsistent.
     """
 
-    def __init__(self, config: DeepseekV41TextConfig, layer_idx: int, numerics: DeepseekV41Numerics | None = None):
+    def __init__(self, config: DeepseekV41TextConfig, layer_idx: int, numerics: DeepseekV41Numerics | str | None = None):
         super().__init__()
         layout = DeepseekV41EngramLayout.from_config(config)
         self.layer_idx = layer_idx
@@ -581,7 +581,7 @@ class DeepseekV41Engram(nn.Module):
             layout.n_hash_cols * layout.head_dim,
             config.hidden_size * (config.hc_mult + 1),
             weight_dtype=config.weight_dtype,
-            numerics=numerics if numerics is not None else config.numerics,
+            numerics=plan_for(config, numerics),
         )
         self.q_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size, dtype=torch.bfloat16))
         self.k_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size, dtype=torch.bfloat16))

@@ -63,8 +63,9 @@ def parse_image_grid(
         rows = []
     elif isinstance(image_grid_thw, torch.Tensor) or hasattr(image_grid_thw, "tolist"):
         shape = tuple(image_grid_thw.shape)
-        if shape == (0,):
-            return []
+        if shape == (0,):  # an empty array of no images (as `[]` is)
+            image_grid_thw = image_grid_thw.reshape(0, 3)
+            shape = (0, 3)
         if len(shape) != 2 or shape[1] != 3:
             hint = "; for one image pass [[1, h, w]]" if shape == (3,) else ""
             raise error(f"image_grid_thw must be [n_images, 3] rows (t, h, w), got shape {shape}{hint}")

@@ -158,7 +158,7 @@ class DeepseekV41Transformer(nn.Module):
         Args:
             numerics: ``"fast"`` or ``"exact"``; None keeps the config's mode.
             backends: op name -> ``"auto"`` / ``"triton"`` / ``"torch"`` (`numerics_deepseek_v41_vl.
-                KERNEL_ENV` names the ops); the other ops read their environment variables again.
+                KERNEL_ENV` names the ops); the other ops keep the backends of the current plan.
 
         Returns:
             The new plan.
@@ -166,10 +166,16 @@ class DeepseekV41Transformer(nn.Module):
         Raises:
             DeepseekV41NumericsError: an unknown mode, op or backend name.
         """
-        plan = DeepseekV41Numerics.resolve(self.text_config.numerics if numerics is None else numerics, **backends)
+        plan = self.numerics.replace(self.text_config.numerics if numerics is None else numerics, **backends)
         apply_numerics(self, plan)
         self.text_config.numerics = plan.mode
         return plan
+
+    def _follow_config_numerics(self) -> None:
+        # `config.numerics` was assigned since the plan was made: every entry point (forward and
+        # the image encoders) switches before it computes anything
+        if self.text_config.numerics != self.numerics.mode:
+            self.set_numerics()
 
     # -- images ---------------------------------------------------------------------------
     def get_image_features(
@@ -183,6 +189,7 @@ class DeepseekV41Transformer(nn.Module):
         """
         if not self.vision_enabled:
             raise DeepseekV41ModelError("this model has no vision tower (vision_config.num_hidden_layers == 0)")
+        self._follow_config_numerics()
         return self.aligner(self.vision(pixel_values, image_grid_thw), image_grid_thw)
 
     def get_image_span_embeddings(
@@ -293,6 +300,7 @@ class DeepseekV41Transformer(nn.Module):
                 "under torch.no_grad())"
             )
 
+        self._follow_config_numerics()
         if pixel_values is not None and start_pos != 0:
             raise DeepseekV41ModelError("pixel_values prefill at position 0 only; pass later chunks image_span_embeds")
         if pixel_values is not None and image_span_embeds is not None:
@@ -321,8 +329,6 @@ class DeepseekV41Transformer(nn.Module):
             if cache is not None:
                 cache.engram_history = history
 
-        if self.text_config.numerics != self.numerics.mode:
-            self.set_numerics()  # `config.numerics` was assigned since the last forward
         h = self.embed(input_ids)
         if span_rows is not None:
             # the reference's `merge_image_embeddings`: START / NEWLINE / END vectors and aligner rows

@@ -13,13 +13,14 @@ Numerics (the model's plan, `numerics_deepseek_v41_vl.py`):
 - ``"fast"``: routing by the Triton kernel on CUDA (torch elsewhere). The routed experts then take
   one of two paths, both adding each row's expert outputs in fp32 in ascending expert order:
 
-  - decode-sized calls (``T * k <= MAX_PAIRS``, 64) on CUDA, or wherever
-    ``DEEPSEEK_V41_MOE_EXPERTS_BACKEND=triton``: the expert kernels (`triton_ops/moe_experts.py`),
+  - decode-sized calls (``T * k <= MAX_PAIRS``, 64) on CUDA, or wherever the plan's
+    ``moe_experts`` backend is ``triton`` (``DEEPSEEK_V41_MOE_EXPERTS_BACKEND`` when the model was
+    built): the expert kernels (`triton_ops/moe_experts.py`),
     which read the fp4 / fp8 / bf16 expert weights in place, with no host synchronisation (CUDA-graph
     capturable); equal to the path below up to fp32 summation order inside the GEMMs;
   - otherwise the experts run on one expert-sorted copy of the tokens, scattered back with one
-    ``index_add_`` (this reads the expert counts on the host). On CUDA (or with
-    ``DEEPSEEK_V41_MOE_PREFILL_BACKEND=triton``) `triton_ops/moe_prefill.py` runs them in chunks of
+    ``index_add_`` (this reads the expert counts on the host). On CUDA (or with the plan's
+    ``moe_prefill`` backend ``triton``) `triton_ops/moe_prefill.py` runs them in chunks of
     experts: one kernel dequantizes a chunk's weights, ``torch._grouped_mm`` multiplies, the SwiGLU
     runs once per chunk (a few dozen launches per layer instead of ~20 per expert). Elsewhere the
     experts run one by one; on CPU either equals the exact loop given the same expert GEMMs, which
@@ -35,7 +36,7 @@ from torch import nn
 from ..triton_ops.moe_experts import ExpertTableCache, moe_experts_triton, use_moe_experts_kernel
 from ..triton_ops.moe_prefill import moe_routed_prefill, use_moe_prefill
 from ..triton_ops.moe_routing import route_topk, router_scores
-from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
+from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics, plan_for
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
 
 
@@ -199,11 +200,11 @@ class DeepseekV41MoE(nn.Module):
         DeepseekV41MoEError: ``n_shared_experts != 1`` (the reference supports exactly one).
     """
 
-    def __init__(self, config, layer_idx: int | None = None, numerics: DeepseekV41Numerics | None = None):
+    def __init__(self, config, layer_idx: int | None = None, numerics: DeepseekV41Numerics | str | None = None):
         super().__init__()
         if config.n_shared_experts != 1:
             raise DeepseekV41MoEError(f"n_shared_experts must be 1, got {config.n_shared_experts}")
-        numerics = numerics if numerics is not None else DeepseekV41Numerics.resolve(config.numerics)
+        numerics = plan_for(config, numerics)
         routed_dtype, shared_dtype = config.expert_weight_dtype, config.weight_dtype
         self.hidden_size = config.hidden_size
         self.numerics = numerics

@@ -39,7 +39,7 @@ from ..triton_ops.quant_linear import ENV_BACKEND as QUANT_LINEAR_ENV
 from ..triton_ops.rms_norm import ENV_BACKEND as RMS_NORM_ENV
 from ..triton_ops.sparse_attention import ENV_BACKEND as SPARSE_ATTENTION_ENV
 from ..triton_ops.vision_rope import ENV_BACKEND as VISION_ROPE_ENV
-from .configuration_deepseek_v41_vl import NUMERICS_MODES
+from .configuration_deepseek_v41_vl import NUMERICS_MODES, check_numerics_mode
 
 # op -> the environment variable that forces its backend (None: no variable, "auto" unless overridden)
 KERNEL_ENV: dict[str, str | None] = {
@@ -94,8 +94,7 @@ class DeepseekV41Numerics:
             DeepseekV41NumericsError: an unknown mode, op or backend name (from an argument or
                 an environment variable, which is named).
         """
-        if mode not in NUMERICS_MODES:
-            raise DeepseekV41NumericsError(f"numerics must be one of {NUMERICS_MODES}, got {mode!r}")
+        check_numerics_mode(mode, DeepseekV41NumericsError)
         unknown = sorted(set(backends) - set(KERNEL_ENV))
         if unknown:
             raise DeepseekV41NumericsError(f"unknown kernel ops {unknown}; the ops are {sorted(KERNEL_ENV)}")
@@ -111,12 +110,27 @@ class DeepseekV41Numerics:
             kernels.append((op, choice))
         return cls(mode, tuple(kernels))
 
+    def replace(self, mode: str | None = None, **backends: str) -> "DeepseekV41Numerics":
+        """This plan with another mode and / or some ops' backends changed; the other ops keep
+        theirs (the environment is not read again).
+
+        Raises:
+            DeepseekV41NumericsError: an unknown mode, op or backend name.
+        """
+        kept = {op: choice for op, choice in self.kernels if op not in backends}
+        plan = DeepseekV41Numerics.resolve(self.mode if mode is None else mode, **kept, **backends)
+        return plan
+
     @property
     def exact(self) -> bool:
         return self.mode == "exact"
 
     def choice(self, op: str) -> str:
-        """The op's configured choice (``"auto"``, ``"triton"`` or ``"torch"``)."""
+        """The op's configured choice (``"auto"``, ``"triton"`` or ``"torch"``).
+
+        Raises:
+            DeepseekV41NumericsError: `op` is not one of :data:`KERNEL_ENV`.
+        """
         for name, choice in self.kernels:
             if name == op:
                 return choice
@@ -159,6 +173,16 @@ def as_numerics(value: "DeepseekV41Numerics | str") -> DeepseekV41Numerics:
     raise DeepseekV41NumericsError(f"numerics must be one of {NUMERICS_MODES} or a DeepseekV41Numerics, got {value!r}")
 
 
+def plan_for(config, numerics: "DeepseekV41Numerics | str | None" = None) -> DeepseekV41Numerics:
+    """The plan a module built from `config` holds: `numerics` (a plan or a mode name) when
+    given, else the plan of ``config.numerics`` (backends from the environment).
+
+    Raises:
+        DeepseekV41NumericsError: an unknown mode.
+    """
+    return as_numerics(config.numerics if numerics is None else numerics)
+
+
 def apply_numerics(module: nn.Module, plan: DeepseekV41Numerics) -> None:
     """Hand `plan` to `module` and every submodule that holds a plan (attribute ``numerics``)."""
     for sub in module.modules():
@@ -174,4 +198,5 @@ __all__ = [
     "NUMERICS_MODES",
     "apply_numerics",
     "as_numerics",
+    "plan_for",
 ]

@@ -50,6 +50,7 @@ from .image_spans_deepseek_v41_vl import parse_image_grid
 from .layers_deepseek_v41_vl import DeepseekV41RMSNorm, on_device
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
 
+
 class DeepseekV41VisionInputError(ValueError):
     """`pixel_values` / `image_grid_thw` that do not describe a batch of images."""
 

@@ -54,7 +54,7 @@ from .errors_deepseek_v41_vl import (
 DEFAULT_MAX_IMAGE_PIXELS = 2 * (1024 * 1024 * 1024 // 4 // 3)
 
 # The smallest span, a 1x1 token grid: IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END.
-MIN_IMAGE_TOKENS = 4
+MIN_IMAGE_TOKENS = image_span_length(1, 1)
 
 EXIF_ORIENTATION_POLICIES = ("ignore", "apply")
 

@@ -49,7 +49,7 @@ from .encoding_deepseek_v41_vl import (
     parse_completion,
     parse_tagged_text,
 )
-from ..modeling.image_spans_deepseek_v41_vl import image_span_roles
+from ..modeling.image_spans_deepseek_v41_vl import image_span_length, image_span_roles
 from ..modeling.image_spans_deepseek_v41_vl import image_token_roles as _image_token_roles
 from .remote_code_deepseek_v41_vl import ProcessorSaveMixin, register_for_auto_class
 from .errors_deepseek_v41_vl import DeepseekV41ProcessorError
@@ -374,7 +374,7 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
                 types += [0] * len(segment_ids)
                 if k < len(encoded) - 1:
                     n_llm_h, n_llm_w = llm_grids[image_index]
-                    span = n_llm_h * (n_llm_w + 1) + 2
+                    span = image_span_length(n_llm_h, n_llm_w)
                     ids += [self.image_token_id] * span
                     types += [1] * span
                     image_index += 1

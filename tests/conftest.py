@@ -1,4 +1,5 @@
-"""Shared test fixtures: where the golden tensors live.
+"""Shared test set-up: where the golden tensors live, the Triton interpreter switch, and the
+session-scoped converted golden checkpoint.
 
 The golden directory is `../shared/golden` next to the repository root (CI lays it there), or the
 path in `DEEPSEEK_V41_GOLDEN`. A missing golden directory is an error, not a skip: the parity
@@ -18,7 +19,7 @@ import torch
 # transformers) imports triton; the tests then do not depend on their order. Every Triton test on
 # CPU tensors runs in the interpreter; only the GPU run (`pytest -m cuda tests/test_gpu.py`, its
 # own process) needs the compiled kernels, and gets them when CUDA is present.
-if not (torch.cuda.is_available() and any(arg.endswith("test_gpu.py") for arg in sys.argv)):
+if not (torch.cuda.is_available() and any("test_gpu.py" in arg for arg in sys.argv)):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402

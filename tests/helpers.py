@@ -15,8 +15,8 @@ def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def with_backends(module: nn.Module, **backends: str) -> nn.Module:
-    """Hand `module` (and its submodules) a plan of its current numerics mode with the given kernel
-    backends (op name -> "auto" / "triton" / "torch"), the public way to switch a built module."""
-    mode = next(m.numerics.mode for m in module.modules() if isinstance(getattr(m, "numerics", None), DeepseekV41Numerics))
-    apply_numerics(module, DeepseekV41Numerics.resolve(mode, **backends))
+    """Hand `module` (and its submodules) its plan with the given kernel backends changed (op name
+    -> "auto" / "triton" / "torch"), the public way to switch a built module."""
+    plan = next(m.numerics for m in module.modules() if isinstance(getattr(m, "numerics", None), DeepseekV41Numerics))
+    apply_numerics(module, plan.replace(**backends))
     return module

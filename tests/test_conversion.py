@@ -3,7 +3,7 @@
 Sources: the golden tiny checkpoints (flat config.json, one unsharded model.safetensors, tiny
 WordLevel tokenizer) and make-tiny checkpoints (sharded with an index, nested + flat configs, the
 real tokenizer). Every mode converts them with `verify=True`, and the written tensors are compared
-with `load_time.convert_tensor` of the whole source tensors (independent of the tile streaming).
+with `state_dict_adapter_deepseek_v41_vl.convert_tensor` of the whole source tensors (independent of the tile streaming).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import DeepseekV41Numeric
 from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState
 from deepseek_v41_vl.modeling.debug_deepseek_v41_vl import capture_intermediates
 
-from golden_models import VARIANTS, golden_model, run_inputs
+from golden_models import VARIANTS, golden_model, load_golden_model, run_inputs
 from helpers import rel_l2
 
 BLOCK_REL_L2 = 0.05
@@ -99,3 +99,30 @@ def test_fast_prefill_end_to_end_within_bounds(golden, monkeypatch, variant, run
     assert rel_l2(logits, want) < LOGITS_REL_L2
     agree = (logits.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agree >= ARGMAX_AGREEMENT, agree
+
+
+def test_a_numerics_switch_reaches_the_vision_tower_and_keeps_chosen_backends(golden):
+    # regressions: the switch picked up from `config.numerics` ran after the images were encoded
+    # (the vision tower kept the old plan for that forward), and dropped backends chosen earlier
+    model = load_golden_model(golden, "model_tiny_fp8", "fast")
+    _, inputs = run_inputs(golden, "model_tiny_fp8", "vl")
+    model.set_numerics(sparse_attention="torch")
+    model.config.numerics = "exact"
+    seen = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.append(mod.numerics)) for m in (model.vision.blocks[0].attn, model.layers[0].attn)]
+    try:
+        with torch.no_grad():
+            exact = model(**inputs, logits_to_keep=0).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(seen) >= 2 and all(plan is seen[-1] for plan in seen) and seen[0].mode == "exact"  # one plan, tower included
+    assert seen[0].choice("sparse_attention") == "torch"
+    reference = load_golden_model(golden, "model_tiny_fp8", "exact")
+    with torch.no_grad():
+        assert torch.equal(exact, reference(**inputs, logits_to_keep=0).logits)
+        features = model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
+    model.config.numerics = "fast"
+    with torch.no_grad():
+        model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])  # the image path switches too
+    assert model.vision.blocks[0].attn.numerics.mode == "fast" and features.shape[0] > 0

@@ -1,4 +1,4 @@
-"""Engram tables resident on the CPU under a `device_map` (`engram_placement_deepseek_v41_vl.py`).
+"""Engram tables resident on the CPU under a `device_map` (`loading_deepseek_v41_vl.py`).
 
 What a CPU machine can check: the map arithmetic (which tables stay resident, which maps are
 refused), that transformers places a table entry below its layer's entry, the map

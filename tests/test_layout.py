@@ -63,22 +63,17 @@ def graph() -> dict[tuple[str, str], list[tuple[str, str]]]:
     return {ref: _imports(ref[0], path) for ref, path in _modules().items()}
 
 
-def test_folders_import_only_downstream(graph):
-    wrong = sorted(
+def _wrong_direction(graph) -> list[str]:
+    return sorted(
         f"{FOLDERS[src[0]]}/{src[1]}.py imports {dst[0]}.{dst[1]}"
         for src, targets in graph.items()
         for dst in targets
         if dst[0] != src[0] and dst[0] not in ALLOWED[src[0]]
     )
-    assert not wrong, wrong
 
 
-def test_no_modeling_file_imports_conversion_or_processing(graph):
-    wrong = [src for src, targets in graph.items() if src[0] == "modeling" and {t[0] for t in targets} & {"conversion", "processing"}]
-    assert not wrong, wrong
-
-
-def test_no_module_import_cycle(graph):
+def _a_cycle(graph) -> list[tuple[str, str]] | None:
+    """One import cycle of `graph` (its modules in order, the first repeated last), or None."""
     state: dict[tuple[str, str], int] = {}  # 1 on the DFS stack, 2 done
     stack: list[tuple[str, str]] = []
 
@@ -89,26 +84,41 @@ def test_no_module_import_cycle(graph):
             if dst not in graph:
                 continue  # a package __init__ or a name that is not a module
             if state.get(dst) == 1:
-                cycle = stack[stack.index(dst) :] + [dst]
-                pytest.fail("import cycle: " + " -> ".join(f"{k}.{m}" for k, m in cycle))
-            if dst not in state:
-                visit(dst)
+                return stack[stack.index(dst) :] + [dst]
+            if dst not in state and (found := visit(dst)):
+                return found
         stack.pop()
         state[ref] = 2
+        return None
 
     for ref in graph:
-        if ref not in state:
-            visit(ref)
+        if ref not in state and (found := visit(ref)):
+            return found
+    return None
 
 
-def test_the_layout_check_sees_a_cycle_and_a_wrong_direction(tmp_path):
-    """The checks above can fail: a planted cycle and an upstream import are found."""
+def test_folders_import_only_downstream(graph):
+    assert _wrong_direction(graph) == []
+
+
+def test_no_modeling_file_imports_conversion_or_processing(graph):
+    wrong = [src for src, targets in graph.items() if src[0] == "modeling" and {t[0] for t in targets} & {"conversion", "processing"}]
+    assert not wrong, wrong
+
+
+def test_no_module_import_cycle(graph):
+    cycle = _a_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(f"{k}.{m}" for k, m in cycle)
+
+
+def test_the_layout_checks_find_a_planted_cycle_and_an_upstream_import(tmp_path):
     folder = tmp_path / "modeling_deepseek_v41_vl"
     folder.mkdir()
     (folder / "a.py").write_text("from .b import x\nfrom ..conversion.convert import y\n")
-    (folder / "b.py").write_text("def f():\n    from .a import z\n")
-    a, b = _imports("modeling", folder / "a.py"), _imports("modeling", folder / "b.py")
-    assert a == [("modeling", "b"), ("conversion", "convert")] and b == [("modeling", "a")]
+    (folder / "b.py").write_text("def f():\n    from .a import z\n")  # inside a function: found too
+    planted = {("modeling", name): _imports("modeling", folder / f"{name}.py") for name in ("a", "b")}
+    assert _wrong_direction(planted) == ["modeling_deepseek_v41_vl/a.py imports conversion.convert"]
+    assert _a_cycle(planted) == [("modeling", "a"), ("modeling", "b"), ("modeling", "a")]
 
 
 def test_modeling_files_stay_small():

@@ -6,18 +6,17 @@ S = 1, head dims and head counts that need padding, both tilings); the probabili
 
 from __future__ import annotations
 
+import math
 import os
 
+import pytest
+import torch
 
-import math  # noqa: E402
+from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState
+from deepseek_v41_vl.triton_ops import sparse_attention as sa
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState  # noqa: E402
-from deepseek_v41_vl.triton_ops import sparse_attention as sa  # noqa: E402
-
-from test_attention import _random_layers, _tiny_config  # noqa: E402
+from helpers import rel_l2, with_backends
+from test_attention import _random_layers, _tiny_config
 
 SPLIT = {"BLOCK_H": 16, "BLOCK_DV": 16, "BLOCK_D": 16}  # output dims split over programs
 
@@ -221,7 +220,7 @@ def test_attention_layers_with_the_kernel_match_the_fallback():
     results = {}
     for backend in ("torch", "triton"):
         for layer in layers:
-            layer.attention_backend = backend
+            with_backends(layer, sparse_attention=backend)
         state = DeepseekV41AttentionState()
         outs = [layer(x[:, :s], state) for layer, x in zip(layers, xs)]
         idxs = dict(state.topk_idxs)
@@ -232,5 +231,4 @@ def test_attention_layers_with_the_kernel_match_the_fallback():
     (ref, ref_idxs), (out, out_idxs) = results["torch"], results["triton"]
     assert ref_idxs.keys() == out_idxs.keys() and all(torch.equal(ref_idxs[i], out_idxs[i]) for i in ref_idxs)
     for want, got in zip(ref, out):
-        rel = (got.float() - want.float()).norm() / want.float().norm()
-        assert rel < 1e-2, rel.item()
+        assert rel_l2(got, want) < 1e-2

@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
-from .kernel_backend import on_input_device, resolve_backend, triton_available, triton_interpret_mode
+from .kernel_backend import on_input_device, triton_available, triton_interpret_mode
 
 if triton is not None:
     from .fake_quant import _bf16_to_fp32
@@ -41,16 +41,6 @@ MAX_COLS = 16384  # the model's rows: 5120 (hidden), 1280 (q_lora), 512 (latent)
 
 class RMSNormKernelError(ValueError):
     """Bad arguments to :func:`rms_norm_triton`: dtype, shape, device or backend."""
-
-
-def resolve_rms_norm_backend(backend: str | None, device: torch.device) -> str:
-    """``"triton"`` or ``"torch"`` for tensors on `device`; ``None`` / ``"auto"`` read
-    ``DEEPSEEK_V41_RMSNORM_BACKEND`` first, then pick Triton on CUDA (`kernel_backend`).
-
-    Raises:
-        RMSNormKernelError: an unknown backend name (argument or environment variable).
-    """
-    return resolve_backend(backend, device, env_var=ENV_BACKEND, error=RMSNormKernelError, what="RMSNorm")
 
 
 if triton is not None:
@@ -114,4 +104,4 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return out
 
 
-__all__ = ["ENV_BACKEND", "MAX_COLS", "RMSNormKernelError", "resolve_rms_norm_backend", "rms_norm_triton"]
+__all__ = ["ENV_BACKEND", "MAX_COLS", "RMSNormKernelError", "rms_norm_triton"]

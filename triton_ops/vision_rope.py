@@ -16,10 +16,11 @@ Two implementations with identical semantics:
 
 Choosing one, from strongest to weakest:
 
-1. the ``backend`` argument of :func:`apply_vision_rope` (the vision tower passes the optional
-   vision-config attribute ``rope_backend``, or what `set_rope_backend` set);
-2. when that is ``None`` or ``"auto"``, the environment variable ``DEEPSEEK_V41_VISION_ROPE_BACKEND``
-   (read at each call);
+1. the ``backend`` argument of :func:`apply_vision_rope` (the vision tower passes its numerics
+   plan's ``vision_rope`` backend, which read ``DEEPSEEK_V41_VISION_ROPE_BACKEND`` once when the
+   model was built);
+2. when that is ``None`` or ``"auto"`` (a direct call), the environment variable
+   ``DEEPSEEK_V41_VISION_ROPE_BACKEND``, read at each call;
 3. ``"auto"``: Triton for CUDA tensors when Triton is installed, the torch fallback elsewhere.
 
 On the CPU the Triton kernel runs only under Triton's interpreter (``TRITON_INTERPRET=1``); the
