@@ -276,9 +276,11 @@ def load_image(
         `PIL.Image.Image` in mode "RGB", fully loaded.
 
     Raises:
-        DeepseekV41ImageError: unreadable, empty, truncated or non-image data, zero area, unsupported
-            input type, or a URL while `allow_urls` is False.
-        DeepseekV41ImageTooLargeError: width * height > max_image_pixels.
+        DeepseekV41ImageError: unreadable, empty, truncated or non-image data (whatever exception
+            Pillow's decoder raises, `MemoryError` aside), zero area, unsupported input type, or a URL
+            while `allow_urls` is False.
+        DeepseekV41ImageTooLargeError: width * height > max_image_pixels, or beyond Pillow's own
+            limit (the message names the cap that refused it).
     """
     if exif_orientation not in EXIF_ORIENTATION_POLICIES:
         raise DeepseekV41ImageError(
@@ -290,7 +292,9 @@ def load_image(
         try:
             image = ImageOps.exif_transpose(data) if exif_orientation == "apply" else data
             return image.convert("RGB")
-        except (OSError, ValueError, EOFError, SyntaxError) as err:
+        except MemoryError:
+            raise
+        except Exception as err:  # whatever a Pillow decoder raises: the documented ValueError
             raise DeepseekV41ImageError(f"cannot decode image: {type(err).__name__}: {err}") from err
     if not data:
         raise DeepseekV41ImageError("image data is empty (0 bytes)")
@@ -309,13 +313,26 @@ def load_image(
     except DeepseekV41ProcessingError:
         raise
     except Image.DecompressionBombError as err:
-        raise DeepseekV41ImageTooLargeError(f"image refused by Pillow's decompression-bomb limit: {err}") from err
+        # Pillow checks its own limit while opening, before our header check: name the cap in force
+        pillow_limit = 2 * Image.MAX_IMAGE_PIXELS
+        if max_image_pixels is not None and max_image_pixels <= pillow_limit:
+            message = f"image exceeds max_image_pixels={max_image_pixels} (decompression-bomb guard; Pillow: {err})"
+        else:
+            message = (
+                f"image refused by Pillow's decompression-bomb limit of {pillow_limit} pixels "
+                f"(2 * PIL.Image.MAX_IMAGE_PIXELS), which is lower than max_image_pixels={max_image_pixels}: "
+                f"raise PIL.Image.MAX_IMAGE_PIXELS to decode larger images (Pillow: {err})"
+            )
+        raise DeepseekV41ImageTooLargeError(message) from err
     except UnidentifiedImageError as err:
         raise DeepseekV41ImageError(
             f"cannot identify image file ({len(data)} bytes): not an image format Pillow can read"
         ) from err
-    except (OSError, ValueError, EOFError, SyntaxError) as err:
-        # e.g. "image file is truncated": the reference raises here too.
+    except MemoryError:
+        raise
+    except Exception as err:
+        # e.g. "image file is truncated" (OSError), or a decoder's TypeError / NotImplementedError /
+        # struct.error on a malformed header: every decoding failure is the documented ValueError
         raise DeepseekV41ImageError(
             f"cannot decode image data ({len(data)} bytes): {type(err).__name__}: {err}"
         ) from err

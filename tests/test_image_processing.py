@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import http.server
+import io
 import json
 import struct
 import threading
@@ -253,6 +254,65 @@ def test_bomb_beyond_pillow_limit_refused():
     assert DeepseekV41ImageProcessor().max_image_pixels == DEFAULT_MAX_IMAGE_PIXELS == 178956970
     with pytest.raises(DeepseekV41ImageTooLargeError, match="decompression"):
         DeepseekV41ImageProcessor()(png_header_only(100000, 100000))
+
+
+def test_bomb_message_names_the_cap_in_force():
+    # regression: above Pillow's own limit the message quoted Pillow's number only, even when the
+    # user's cap was the smaller one
+    data = png_header_only(100000, 100000)
+    with pytest.raises(DeepseekV41ImageTooLargeError, match=r"exceeds max_image_pixels=1000000 "):
+        load_image(data, max_image_pixels=10**6)
+    with pytest.raises(DeepseekV41ImageTooLargeError, match=r"lower than max_image_pixels=100000000000.*MAX_IMAGE_PIXELS"):
+        load_image(data, max_image_pixels=10**11)
+
+
+def _malformed_tiff(field_type: int) -> bytes:
+    """An 8x6 TIFF whose StripOffsets tag is re-typed (2 ASCII, 5 RATIONAL): Pillow raises TypeError."""
+    out = io.BytesIO()
+    Image.new("RGB", (8, 6), (10, 20, 30)).save(out, "TIFF")
+    data = bytearray(out.getvalue())
+    ifd = struct.unpack_from("<I", data, 4)[0]
+    for i in range(struct.unpack_from("<H", data, ifd)[0]):
+        if struct.unpack_from("<H", data, ifd + 2 + 12 * i)[0] == 273:  # StripOffsets
+            struct.pack_into("<H", data, ifd + 2 + 12 * i + 2, field_type)
+    return bytes(data)
+
+
+def _dds_without_pixel_format_flags() -> bytes:
+    """An 8x6 DDS with pixel-format flags 0: Pillow raises NotImplementedError."""
+    out = io.BytesIO()
+    Image.new("RGB", (8, 6), (10, 20, 30)).save(out, "DDS")
+    data = bytearray(out.getvalue())
+    struct.pack_into("<I", data, 4 + 76, 0)  # DDS_PIXELFORMAT.dwFlags
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: _malformed_tiff(2), lambda: _malformed_tiff(5), _dds_without_pixel_format_flags], ids=["tiff-ascii", "tiff-rational", "dds-flags-0"]
+)
+def test_decoder_exceptions_of_any_type_become_the_image_error(make):
+    # regression: Pillow's TypeError / NotImplementedError escaped a caller's `except ValueError`
+    with pytest.raises(DeepseekV41ImageError, match="cannot decode image data") as info:
+        DeepseekV41ImageProcessor()(make())
+    assert isinstance(info.value, ValueError)
+
+
+def test_mutated_golden_images_raise_only_the_image_error_or_decode(golden):
+    """A bounded fuzz: bytes of the golden images mutated at random; each either decodes or raises
+    the documented error (never another exception type)."""
+    rng = np.random.default_rng(0)
+    sources = [p.read_bytes() for p in sorted((golden / "preprocess" / "images").iterdir()) if p.stat().st_size < 200_000]
+    outcomes = {"decoded": 0, "refused": 0}
+    for k in range(150):
+        data = bytearray(sources[k % len(sources)])
+        for pos in rng.integers(0, len(data), size=int(rng.integers(1, 8))):
+            data[pos] = int(rng.integers(0, 256))
+        try:
+            load_image(bytes(data[: int(rng.integers(len(data) // 2, len(data) + 1))]))
+            outcomes["decoded"] += 1
+        except DeepseekV41ImageError:
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 0 and sum(outcomes.values()) == 150
 
 
 def test_bomb_cap_is_checked_before_decoding(golden):

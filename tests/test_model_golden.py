@@ -32,6 +32,7 @@ from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41Model
 from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import DeepseekV41Transformer
 from deepseek_v41_vl.modeling.debug_deepseek_v41_vl import capture_intermediates
 from deepseek_v41_vl.modeling.image_spans_deepseek_v41_vl import image_token_roles
+from deepseek_v41_vl.modeling.vision_deepseek_v41_vl import DeepseekV41VisionInputError
 
 from golden_models import (
     DECODE_STEPS,
@@ -251,3 +252,23 @@ def test_decode_needs_one_token_per_step_and_no_late_images(golden):
             model(**inputs, cache=cache)
     with pytest.raises(DeepseekV41CacheError):
         cache.crop(1)
+
+
+def test_the_image_token_typed_as_text_is_refused(golden):
+    # robustness: the image id in a prompt without an image span was embedded as a plain token
+    model = golden_model(golden, "model_tiny_fp8")
+    _, inputs = run_inputs(golden, "model_tiny_fp8", "text")
+    ids = inputs["input_ids"][:1, :6].clone()
+    ids[0, 2] = model.config.image_token_id
+    with torch.no_grad(), pytest.raises(DeepseekV41ModelError, match=r"image_token_id 500 outside an image span \(batch row 0, position 2\)"):
+        model(ids)
+
+
+def test_a_one_dimensional_image_grid_is_refused_with_the_expected_shape(golden):
+    # robustness: `get_image_features(pv, grid[0])` raised a bare TypeError
+    model = golden_model(golden, "model_tiny_fp8")
+    _, inputs = run_inputs(golden, "model_tiny_fp8", "vl")
+    with torch.no_grad(), pytest.raises(DeepseekV41VisionInputError, match=r"\[n_images, 3\].*for one image pass \[\[1, h, w\]\]"):
+        model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"][0])
+    with torch.no_grad(), pytest.raises(DeepseekV41ModelError, match=r"must hold integers"):
+        model(**dict(inputs, image_grid_thw=inputs["image_grid_thw"].float()))
