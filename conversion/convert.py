@@ -42,13 +42,13 @@ import re
 import shutil
 import sys
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..modeling.configuration_deepseek_v41_vl import DeepseekV41Config
 from .bundle import bundle_remote_code
+from .staging import move_into_place, partial_folder, remove_stale_partials, stopping_signals
 from ..modeling.checkpoint_names_deepseek_v41_vl import (
     TOKEN_MAP_NAME,
     DeepseekV41ConversionError,
@@ -85,6 +85,7 @@ class ConversionSummary:
     dropped: dict[str, int] = field(default_factory=dict)
     verified: bool = False
     seconds: float = 0.0
+    removed_partials: list[Path] = field(default_factory=list)  # left by earlier, killed runs
 
     def format(self) -> str:
         what = f"linked {len(self.linked)} source shards" if self.linked else f"wrote {len(self.shards)} weight file(s)"
@@ -94,6 +95,8 @@ class ConversionSummary:
         ]
         for reason, count in sorted(self.dropped.items()):
             lines.append(f"note: dropped {count} tensors: {reason}")
+        for path in self.removed_partials:
+            lines.append(f"note: removed {path}, left by an earlier conversion that was killed")
         return "\n".join(lines)
 
 
@@ -379,7 +382,10 @@ def convert_checkpoint(
 
     Raises:
         DeepseekV41ConversionError: any problem with the source, the request or the destination,
-            raised before anything is written (failures while writing remove the partial folder).
+            raised before anything is written (failures while writing, Ctrl-C, SIGTERM and SIGHUP
+            remove the partial folder; one left by a killed run is removed at the next run, which
+            refuses to start while another live process writes one: `staging.py`).
+        ConversionStopped: SIGTERM / SIGHUP arrived (a `SystemExit` with code 128 + signal).
     """
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
@@ -404,53 +410,37 @@ def convert_checkpoint(
         _check_space(dst.parent, sum(tensor_nbytes(s, d) for s, d in expected.values()))
 
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.partial-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
-    try:
-        if link:
-            files, weight_map = _link_weights(tmp, source, token_map)
-            summary.linked = files
-            summary.bytes_written = 0 if token_map is None else token_map.numel() * 8
-        else:
-            files, weight_map, summary.bytes_written = _write_weights(
-                tmp, source, plans, token_map, max_slice_bytes, max_shard_bytes, progress
-            )
-            summary.shards = files
-            _verify_headers(tmp, files, weight_map, expected)
-        (tmp / "config.json").write_text(config.to_json_string(use_diff=False), encoding="utf-8")
-        _write_tokenizer(tmp, source, config)
-        _write_processor_files(tmp, source, config, vl)
-        bundle_remote_code(tmp)
-        if verify:
+    summary.removed_partials = remove_stale_partials(dst)
+    tmp = partial_folder(dst)
+    with stopping_signals():  # SIGTERM / SIGHUP clean up as Ctrl-C does
+        try:
+            tmp.mkdir()
             if link:
-                _verify_links(tmp, source, token_map)
+                files, weight_map = _link_weights(tmp, source, token_map)
+                summary.linked = files
+                summary.bytes_written = 0 if token_map is None else token_map.numel() * 8
             else:
-                _verify_values(tmp, source, plans, weight_map, token_map, max_slice_bytes, progress)
-            summary.verified = True
-        _move_into_place(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+                files, weight_map, summary.bytes_written = _write_weights(
+                    tmp, source, plans, token_map, max_slice_bytes, max_shard_bytes, progress
+                )
+                summary.shards = files
+                _verify_headers(tmp, files, weight_map, expected)
+            (tmp / "config.json").write_text(config.to_json_string(use_diff=False), encoding="utf-8")
+            _write_tokenizer(tmp, source, config)
+            _write_processor_files(tmp, source, config, vl)
+            bundle_remote_code(tmp)
+            if verify:
+                if link:
+                    _verify_links(tmp, source, token_map)
+                else:
+                    _verify_values(tmp, source, plans, weight_map, token_map, max_slice_bytes, progress)
+                summary.verified = True
+            move_into_place(tmp, dst)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     summary.seconds = time.perf_counter() - start
     return summary
-
-
-def _move_into_place(tmp: Path, dst: Path) -> None:
-    old = None
-    if dst.exists() or dst.is_symlink():
-        old = dst.parent / f".{dst.name}.replaced-{uuid.uuid4().hex[:12]}"
-        os.rename(dst, old)
-    try:
-        os.rename(tmp, dst)
-    except BaseException:
-        if old is not None:
-            os.rename(old, dst)
-        raise
-    if old is not None:
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old)
-        else:
-            old.unlink()
 
 
 __all__ = ["ConversionSummary", "DEFAULT_MAX_SLICE_BYTES", "convert_checkpoint", "target_config"]

@@ -32,14 +32,13 @@ import json
 import os
 import re
 import shutil
-import uuid
 from pathlib import Path
 
 import torch
 
 from ..modeling.quantization_deepseek_v41_vl import act_quant, cast_to_e4m3, quant_fp4, round_scale_pow2
 from ..modeling.checkpoint_names_deepseek_v41_vl import BLOCK, DeepseekV41ConversionError, official_inventory
-from .convert import _move_into_place
+from .staging import move_into_place, partial_folder, remove_stale_partials
 from .safetensors_io import SafetensorsWriter
 
 VARIANTS = ("fp8", "bf16")
@@ -327,7 +326,8 @@ def write_official_checkpoint(
         tokenizer_config = tokenizer_config or default_config
     tensors = checkpoint_tensors(args, seed)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.partial-{uuid.uuid4().hex[:12]}"
+    remove_stale_partials(dst)
+    tmp = partial_folder(dst)
     tmp.mkdir()
     try:
         write_shards(tmp, tensors, max_shard_bytes)
@@ -338,7 +338,7 @@ def write_official_checkpoint(
         (tmp / "tokenizer.json").write_bytes(data)
         if tokenizer_config is not None:
             (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        _move_into_place(tmp, dst)
+        move_into_place(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

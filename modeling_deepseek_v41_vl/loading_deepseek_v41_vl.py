@@ -38,6 +38,7 @@ import functools
 import json
 import logging
 import os
+import re
 from typing import Iterator, Mapping
 
 import torch
@@ -543,6 +544,24 @@ def _official_layout_index(path) -> dict[str, str] | None:
     return data["weight_map"]
 
 
+_VISION_TENSOR = re.compile(r"^(model\.)?(vision|aligner)\.|^(model\.)?image_(start|end|newline)$")
+
+
+def _refuse_a_random_vision_tower(model: nn.Module, info: dict, path) -> None:
+    """Raise when the loaded folder held none of the vision tensors the model has: transformers
+    would leave them at random values (a config without ``vision_config`` means the released tower)."""
+    core = getattr(model, "model", model)
+    if not getattr(core, "vision_enabled", False):
+        return
+    missing = [name for name in info.get("missing_keys", ()) if _VISION_TENSOR.search(name)]
+    if missing:
+        raise DeepseekV41ModelError(
+            f"{path} holds no weights for {len(missing)} vision tensors (e.g. {sorted(missing)[0]}), which would stay "
+            "random: its config describes a vision tower (a config without vision_config means the released one). "
+            "Load a text-only folder with AutoModelForCausalLM, or set vision_config.num_hidden_layers = 0"
+        )
+
+
 class DeepseekV41LoadingMixin:
     """The loading and saving of the DeepSeek-V4.1 transformers classes (mixed in before
     `PreTrainedModel`): `from_pretrained` with ``engram_device`` and ``--link`` folders, the
@@ -584,7 +603,9 @@ class DeepseekV41LoadingMixin:
         (`engram_offload_device_map`), a dict gets the entries, one device takes all the rest.
 
         Raises:
-            DeepseekV41ModelError: a ``--link`` folder with a `device_map` other than None / "cpu".
+            DeepseekV41ModelError: a ``--link`` folder with a `device_map` other than None / "cpu";
+                a folder without vision weights loaded into a model with a vision tower (a config
+                without ``vision_config`` describes the released tower): never random weights.
             DeepseekV41EngramPlacementError: `engram_device` other than "cpu" or without a `device_map`;
                 a table mapped to "cpu" inside an offloaded ("disk", or "cpu" beside GPUs) layer.
         """
@@ -604,13 +625,15 @@ class DeepseekV41LoadingMixin:
                 f"{path} is a --link folder (official tensor layout); it loads on CPU only, without a "
                 f"device_map (got {kwargs['device_map']!r}): convert without --link to use a device_map"
             )
+        want_info = kwargs.pop("output_loading_info", False)
         with _offloaded_layers_load_whole(list(cls._no_split_modules)), keep_engram_tables_resident():
-            model = super().from_pretrained(*args, **kwargs)
-        model_or_first = model[0] if isinstance(model, tuple) else model
+            model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         if official is not None:
-            model_or_first._load_official_layout(path, official)
-        model_or_first._suppress_image_token()
-        return model
+            model._load_official_layout(path, official)
+        else:
+            _refuse_a_random_vision_tower(model, info, path)
+        model._suppress_image_token()
+        return (model, info) if want_info else model
 
     @classmethod
     def _empty_for_device_map(cls, path, kwargs: dict) -> nn.Module:

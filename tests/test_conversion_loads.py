@@ -74,6 +74,20 @@ def test_text_only_conversion_gives_golden_text_logits_bit_for_bit(golden, text_
     torch.testing.assert_close(last[:, -1], text_run["prefill.logits"][:, -1], rtol=1e-5, atol=1e-5)
 
 
+def test_a_folder_without_vision_weights_never_loads_a_random_tower(golden, tmp_path):
+    # robustness: a config.json without vision_config (the released tower) over text-only weights
+    # loaded into AutoModelForImageTextToText with a random 32-block tower, silently
+    dst = tmp_path / "text_only"
+    convert_checkpoint(golden / "model_tiny_fp8", dst, text_only=True, progress=False)
+    config = json.loads((dst / "config.json").read_text())
+    del config["vision_config"]
+    (dst / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DeepseekV41ModelError, match=r"holds no weights for \d+ vision tensors .*AutoModelForCausalLM"):
+        AutoModelForImageTextToText.from_pretrained(dst)
+    lm, info = AutoModelForCausalLM.from_pretrained(dst, output_loading_info=True)  # the text model loads
+    assert not lm.model.vision_enabled and not info["missing_keys"]
+
+
 def test_bf16_conversion_is_within_the_golden_end_to_end_bounds(golden, vl_run, tmp_path):
     """A ``--dtype bf16`` folder cannot be bit-exact with the fp8 golden, although its weights are
     the exact dequantized values (power-of-two e8m0 scales): the reference's fp8 linear quantizes
