@@ -384,21 +384,25 @@ def normalize_and_patchify(
     bf16 cast of the result equals its bf16 patches); then patches in the order
     (grid_y, grid_x, channel, y, x). Mirrors the tail of `inference/image_processor.py: load_image`.
 
+    Computed in NumPy (each op correctly rounded in float32, the same bits as the reference's torch
+    ops): no thread pool is touched, so a process that forks after preprocessing an image (a
+    `datasets.map(num_proc=...)` worker, any fork-based pool) does not hang in OpenMP.
+
     Returns:
         `torch.FloatTensor` [n_vit_h * n_vit_w, 3 * patch_size**2], float32.
     """
-    x = torch.from_numpy(np.asarray(image, dtype=np.float32)).permute(2, 0, 1) / 255
+    x = np.asarray(image, dtype=np.float32).transpose(2, 0, 1) / np.float32(255)
     x = (x - _per_channel(image_mean)) / _per_channel(image_std)
     _, height, width = x.shape
     n_h, n_w = height // patch_size, width // patch_size
-    x = x.reshape(3, n_h, patch_size, n_w, patch_size).permute(1, 3, 0, 2, 4)
-    return x.reshape(n_h * n_w, 3 * patch_size * patch_size).contiguous()
+    x = x.reshape(3, n_h, patch_size, n_w, patch_size).transpose(1, 3, 0, 2, 4)
+    return torch.from_numpy(np.ascontiguousarray(x.reshape(n_h * n_w, 3 * patch_size * patch_size)))
 
 
-def _per_channel(value: float | Sequence[float]) -> float | torch.Tensor:
+def _per_channel(value: float | Sequence[float]) -> np.float32 | np.ndarray:
     if isinstance(value, (int, float)):
-        return float(value)
-    return torch.tensor(list(value), dtype=torch.float32).view(3, 1, 1)
+        return np.float32(value)
+    return np.asarray(list(value), dtype=np.float32).reshape(3, 1, 1)
 
 
 # --------------------------------------------------------------------------------------------

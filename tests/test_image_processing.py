@@ -594,3 +594,21 @@ def test_pillow_bomb_warning_silenced_within_our_cap():
     with pytest.warns(Image.DecompressionBombWarning):
         with pytest.raises(DeepseekV41ImageError, match="truncated|decode"):
             load_image(data, max_image_pixels=None)
+
+
+def _preprocess_in_child(path: str) -> float:
+    out = DeepseekV41ImageProcessor(max_image_tokens=64)(path, return_tensors="pt")
+    return float(out["pixel_values"].numpy().astype(np.float64).sum())  # no torch op here either
+
+
+def test_preprocessing_then_forking_does_not_hang(golden):
+    # robustness: a fork-based pool (datasets.map(num_proc=2)) hung forever once the parent had
+    # preprocessed one image: the child blocked in torch's OpenMP pool, which is not fork-safe
+    import multiprocessing
+
+    path = str(golden / "preprocess" / "images" / "chelsea.png")
+    torch.ones(1 << 20).mul_(2)  # the parent's own torch work: its OpenMP pool exists
+    want = _preprocess_in_child(path)  # "check one sample first", in the parent
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        got = pool.map_async(_preprocess_in_child, [path] * 4).get(timeout=60)
+    assert got == [want] * 4
