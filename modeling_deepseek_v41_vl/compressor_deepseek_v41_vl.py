@@ -219,7 +219,7 @@ class DeepseekV41PoolingCompressor(nn.Module):
         kv, score = kv_score if kv_score is not None else self.project_step(x)
         slot = start_pos % ratio
         cache.park(slot, kv, score)
-        if (start_pos + 1) % ratio:
+        if not self.emits_latent(start_pos):
             return None
         if latent is None:
             latent = self.pool_parked(cache, x.dtype)

@@ -391,18 +391,20 @@ class DeepseekV41Transformer(nn.Module):
             span_rows = image_span_embeds
         elif image_mask is not None and bool(image_mask.any()):
             raise DeepseekV41ModelError("mm_token_type_ids marks image spans but no pixel_values were given")
+        # the image id stands exactly on the marked positions: one comparison, one host sync per
+        # forward (decode steps included); the two ways to differ are told apart only on failure
         is_image_id = input_ids == self.config.image_token_id
+        mismatch = is_image_id if image_mask is None else is_image_id != image_mask
+        if not bool(mismatch.any()):
+            return image_mask, span_rows
         if image_mask is not None and bool((image_mask & ~is_image_id).any()):
             raise DeepseekV41ModelError(f"every image-span position must carry image_token_id {self.config.image_token_id}")
-        stray = is_image_id if image_mask is None else is_image_id & ~image_mask
-        if bool(stray.any()):
-            row, col = torch.nonzero(stray)[0].tolist()
-            raise DeepseekV41ModelError(
-                f"input_ids holds image_token_id {self.config.image_token_id} outside an image span (batch row {row}, "
-                f"position {col}): the image token stands only for the positions that mm_token_type_ids marks and "
-                "pixel_values fill (the processor writes both)"
-            )
-        return image_mask, span_rows
+        row, col = torch.nonzero(mismatch)[0].tolist()  # now an image id outside the marks
+        raise DeepseekV41ModelError(
+            f"input_ids holds image_token_id {self.config.image_token_id} outside an image span (batch row {row}, "
+            f"position {col}): the image token stands only for the positions that mm_token_type_ids marks and "
+            "pixel_values fill (the processor writes both)"
+        )
 
 
 class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
