@@ -12,7 +12,18 @@ import os
 import sys
 from pathlib import Path
 
-import torch
+# The golden fixtures' bf16 GEMMs are oneDNN's AVX512-BF16 kernels (the fixture machine has no AMX).
+# On a CPU with AMX, oneDNN picks AMX tiles, which sum in another order and round some outputs
+# differently (e.g. 3 of 46,080 vision patch-embedding values). Capping the ISA selects the fixture
+# machine's kernels on any AVX512-BF16 CPU and changes nothing on the fixture machine itself. It has
+# to be in the environment before oneDNN builds its first primitive; subprocesses inherit it.
+# (The fp32 GEMMs and `exp` come from MKL, whose code path also depends on the CPU vendor; no
+# setting reproduces the fixture machine's on an Intel CPU, see README "Tests".)
+if "torch" in sys.modules and "ONEDNN_MAX_CPU_ISA" not in os.environ:
+    raise RuntimeError("tests/conftest.py must run before torch is imported (it pins ONEDNN_MAX_CPU_ISA)")
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+
+import torch  # noqa: E402
 
 # The one place TRITON_INTERPRET is set. Triton picks interpreter or compiler when a kernel is
 # *defined*, and transformers imports triton early, so it is set here, before any test module (or
