@@ -8,8 +8,9 @@
   operations), plus ``model.engram_hash.token_map`` (int64 ``[vocab]``, the compressed Engram map
   of the source tokenizer); one ``model.safetensors`` or ``model-0000k-of-0000n.safetensors``
   shards with ``model.safetensors.index.json``;
-- the tokenizer (``tokenizer.json`` copied byte for byte, ``tokenizer_config.json``),
-  ``chat_template.jinja``, and for a model with a vision tower ``preprocessor_config.json`` and
+- the tokenizer (``tokenizer.json`` copied byte for byte, ``tokenizer_config.json`` with the
+  ``response_template`` that splits reasoning, content and tool calls), ``generation_config.json``
+  (the special ids and ``max_new_tokens`` = ``THINKING_MAX_NEW_TOKENS``), ``chat_template.jinja``, and for a model with a vision tower ``preprocessor_config.json`` and
   ``processor_config.json``;
 - the remote-code ``.py`` files (`bundle.py`).
 
@@ -248,25 +249,57 @@ def _link_weights(tmp: Path, source: SourceCheckpoint, token_map) -> tuple[list[
 
 
 def _write_tokenizer(tmp: Path, source: SourceCheckpoint, config: DeepseekV41Config) -> None:
+    from ..processing.encoding_deepseek_v41_vl import RESPONSE_TEMPLATE
+
     shutil.copyfile(source.tokenizer_file, tmp / "tokenizer.json")
     if source.tokenizer_config_file is not None:
-        shutil.copyfile(source.tokenizer_config_file, tmp / "tokenizer_config.json")
-        return
-    # No tokenizer_config.json in the source: name the special tokens the config's ids point at.
+        data = json.loads(source.tokenizer_config_file.read_text(encoding="utf-8"))
+    else:
+        # No tokenizer_config.json in the source: name the special tokens the config's ids point at.
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(source.tokenizer_file))
+        text = config.text_config
+        data = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "bos_token": tok.id_to_token(text.bos_token_id),
+            "eos_token": tok.id_to_token(text.eos_token_id),
+            "pad_token": tok.id_to_token(text.pad_token_id),
+            "clean_up_tokenization_spaces": False,
+        }
+    # what the pipeline and `transformers serve` split a generated turn with
+    data.setdefault("response_template", RESPONSE_TEMPLATE)
+    (tmp / "tokenizer_config.json").write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+# A thinking-mode answer is reasoning first; the pipeline's default of 256 new tokens cuts most
+# reasoning off before `</think>`. 32768 fits the reasoning of a high-effort turn and its answer.
+THINKING_MAX_NEW_TOKENS = 32768
+
+
+def _write_generation_config(tmp: Path, source: SourceCheckpoint, config: DeepseekV41Config) -> None:
+    """generation_config.json: BOS/EOS/pad ids, ``max_new_tokens`` = THINKING_MAX_NEW_TOKENS, and the
+    ``<think>`` / ``</think>`` ids that `generate` reads to warn about a reasoning cut off."""
     from tokenizers import Tokenizer
+    from transformers import GenerationConfig
+
+    from ..processing.encoding_deepseek_v41_vl import THINK_END, THINK_START
 
     tok = Tokenizer.from_file(str(source.tokenizer_file))
+    think = {name: tok.token_to_id(token) for name, token in (("think_start", THINK_START), ("think_end", THINK_END))}
+    if None in think.values():
+        raise DeepseekV41ConversionError(f"{source.tokenizer_file}: {THINK_START!r} and {THINK_END!r} must be single tokens")
     text = config.text_config
-    data = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "bos_token": tok.id_to_token(text.bos_token_id),
-        "eos_token": tok.id_to_token(text.eos_token_id),
-        "pad_token": tok.id_to_token(text.pad_token_id),
-        "clean_up_tokenization_spaces": False,
-    }
-    (tmp / "tokenizer_config.json").write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    GenerationConfig(
+        bos_token_id=text.bos_token_id,
+        eos_token_id=text.eos_token_id,
+        pad_token_id=text.pad_token_id,
+        max_new_tokens=THINKING_MAX_NEW_TOKENS,
+        think_start_token_id=think["think_start"],
+        think_end_token_id=think["think_end"],
+    ).save_pretrained(tmp)
 
 
 def _write_processor_files(tmp: Path, source: SourceCheckpoint, config: DeepseekV41Config, vl: bool) -> None:
@@ -427,6 +460,7 @@ def convert_checkpoint(
                 _verify_headers(tmp, files, weight_map, expected)
             (tmp / "config.json").write_text(config.to_json_string(use_diff=False), encoding="utf-8")
             _write_tokenizer(tmp, source, config)
+            _write_generation_config(tmp, source, config)
             _write_processor_files(tmp, source, config, vl)
             bundle_remote_code(tmp)
             if verify:

@@ -35,6 +35,7 @@ hooks for golden comparisons (`debug_deepseek_v41_vl.py`).
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -664,6 +665,18 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41PreTrainedModel, Generation
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
+    def generate(self, *args, **kwargs):
+        """`GenerationMixin.generate`, plus a `UserWarning` when a thinking-mode row stopped before
+        `</think>` (its prompt ends with `<think>`, and it hit the length limit before both
+        `</think>` and EOS). The `<think>` / `</think>` ids come from the generation config
+        (`think_start_token_id` / `think_end_token_id`, written by the conversion); without them
+        there is no check."""
+        output = super().generate(*args, **kwargs)
+        prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+        config = kwargs.get("generation_config") or self.generation_config
+        _warn_if_reasoning_cut(config, prompt, output)
+        return output
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
         """A :class:`DeepseekV41Cache` for the batch (the model has no key/value cache to share)."""
         if model_kwargs.get("cache") is not None:
@@ -693,6 +706,27 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41PreTrainedModel, Generation
             device = kwargs.get("device") or self.device
             processors.append(SuppressTokensLogitsProcessor([self.config.image_token_id], device=device))
         return processors
+
+
+def _warn_if_reasoning_cut(generation_config, prompt, output) -> None:
+    start = getattr(generation_config, "think_start_token_id", None)
+    end = getattr(generation_config, "think_end_token_id", None)
+    if start is None or end is None or not isinstance(prompt, torch.Tensor) or prompt.dim() != 2:
+        return
+    sequences = output if isinstance(output, torch.Tensor) else getattr(output, "sequences", None)
+    if sequences is None or sequences.size(0) % prompt.size(0):
+        return
+    thinking = (prompt[:, -1] == start).repeat_interleave(sequences.size(0) // prompt.size(0))
+    new = sequences[:, prompt.size(1) :]
+    stops = [end] + torch.tensor(generation_config.eos_token_id if generation_config.eos_token_id is not None else []).flatten().tolist()
+    cut = thinking & ~torch.isin(new, torch.tensor(stops, device=new.device)).any(-1)
+    if bool(cut.any()):
+        warnings.warn(
+            f"generation stopped inside the reasoning of {int(cut.sum())} of {cut.numel()} rows: "
+            f"{new.size(1)} new tokens and no `</think>`; raise max_new_tokens to get the answer",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 class DeepseekV41ForCausalLM(DeepseekV41ForConditionalGeneration):

@@ -57,6 +57,36 @@ REASONING_EFFORT_TEMPLATE = (
     SYSTEM_TOKEN + "Reasoning Effort: {budget} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
 )
 
+# The generated assistant turn, as transformers' declarative response parser reads it
+# (`tokenizer.response_template`: the image-text-to-text pipeline, `transformers serve`,
+# `tokenizer.parse_response`). It splits what :func:`parse_completion` splits: `reasoning_content` up
+# to `</think>`, `content` up to EOS, one OpenAI-style tool call per DSML invoke. It differs in two
+# ways. A generation cut before EOS (or inside the reasoning) parses as far as it got instead of
+# raising. Tool-call `arguments` are a mapping (transformers' convention; `parse_completion` returns
+# upstream's JSON string), and `string="false"` values stay strings unless `tools` is given, whose
+# JSON schema casts them. The anchor also takes the `</think>` that a chat-mode prompt ends with.
+RESPONSE_TEMPLATE: dict[str, Any] = {
+    "defaults": {"role": "assistant"},
+    "start_anchor_pattern": re.escape(ASSISTANT_TOKEN) + "(?:" + re.escape(THINK_END) + ")?",
+    "fields": {
+        "reasoning_content": {"open": THINK_START, "close": THINK_END, "content": "text"},
+        "tool_calls": {
+            "open_pattern": r"\s*(?:" + re.escape(DSML_CALLS) + r"\n)?" + re.escape(DSML_INVOKE) + r' name="(?P<name>[^"\n]+)">\n',
+            "close_pattern": re.escape(DSML_INVOKE_END) + r">\n(?:" + re.escape(DSML_CALLS_END) + ")?",
+            "repeats": True,
+            "content": "xml-inline",
+            "content_args": {
+                "tag_pattern": re.escape(DSML_PARAMETER)
+                + r' name="(?P<key>[^"\n]+)" string="(?:true|false)">(?P<value>.*?)<'
+                + re.escape(DSML_PARAMETER_CLOSE)
+                + r">\n?"
+            },
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+        "content": {"close": EOS_TOKEN, "content": "text"},
+    },
+}
+
 _TAGGED_IMAGE = re.compile(r"<image>(.*?)</image>", re.DOTALL)
 _INVOKE_NAME = re.compile(r'^\s*name="(.*?)">\n$', re.DOTALL)
 _PARAMETER = re.compile(r'^ name="(.*?)" string="(true|false)">(.*?)<$', re.DOTALL)
@@ -471,6 +501,7 @@ __all__ = [
     "LATEST_REMINDER_TOKEN",
     "REASONING_EFFORT_ALIASES",
     "REASONING_EFFORT_TEMPLATE",
+    "RESPONSE_TEMPLATE",
     "SYSTEM_TOKEN",
     "TASK_TOKENS",
     "collect_images",

@@ -12,12 +12,14 @@ encodes as five pieces. Prompts with a system turn therefore differ from the rel
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
+from .encoding_deepseek_v41_vl import RESPONSE_TEMPLATE
 from .errors_deepseek_v41_vl import DeepseekV41ProcessingError
 
 IMAGE_TOKEN_ID = 129264
@@ -86,7 +88,8 @@ def load_deepseek_v41_tokenizer(
     Returns:
         A `PreTrainedTokenizerFast` with 129280 ids, BOS `<｜begin▁of▁sentence｜>` (0),
         EOS `<｜end▁of▁sentence｜>` (1), pad as given, no unk. Its ByteLevel post-processor adds
-        no BOS: prompts carry BOS as text, as upstream `encoding.py` writes it.
+        no BOS: prompts carry BOS as text, as upstream `encoding.py` writes it. Its
+        `response_template` is `encoding_deepseek_v41_vl.RESPONSE_TEMPLATE`.
     """
     tokenizer = Tokenizer.from_str(respelled_tokenizer_json(path, image_token))
     fast = PreTrainedTokenizerFast(
@@ -96,6 +99,7 @@ def load_deepseek_v41_tokenizer(
         pad_token=pad_token,
         model_max_length=1048576,  # the package's tokenizer_config.json
         clean_up_tokenization_spaces=False,
+        response_template=copy.deepcopy(RESPONSE_TEMPLATE),
     )
     if fast.convert_tokens_to_ids(image_token) != IMAGE_TOKEN_ID:
         raise DeepseekV41ProcessingError(f"{image_token!r} does not map to id {IMAGE_TOKEN_ID} after the respelling")
