@@ -667,14 +667,19 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41PreTrainedModel, Generation
 
     def generate(self, *args, **kwargs):
         """`GenerationMixin.generate`, plus a `UserWarning` when a thinking-mode row stopped before
-        `</think>` (its prompt ends with `<think>`, and it hit the length limit before both
-        `</think>` and EOS). The `<think>` / `</think>` ids come from the generation config
+        `</think>` (its left-padded prompt ends with `<think>`, and it generated neither `</think>`
+        nor EOS). The `<think>` / `</think>` ids come from the model's generation config
         (`think_start_token_id` / `think_end_token_id`, written by the conversion); without them
         there is no check."""
         output = super().generate(*args, **kwargs)
-        prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-        config = kwargs.get("generation_config") or self.generation_config
-        _warn_if_reasoning_cut(config, prompt, output)
+        prompt = args[0] if args else kwargs.get("inputs")
+        if prompt is None:
+            prompt = kwargs.get("input_ids")
+        user = kwargs.get("generation_config")
+        eos = kwargs.get("eos_token_id", getattr(user, "eos_token_id", None))
+        if eos is None:
+            eos = self.generation_config.eos_token_id
+        _warn_if_reasoning_cut(self.generation_config, eos, prompt, output)
         return output
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
@@ -708,7 +713,7 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41PreTrainedModel, Generation
         return processors
 
 
-def _warn_if_reasoning_cut(generation_config, prompt, output) -> None:
+def _warn_if_reasoning_cut(generation_config, eos_token_id, prompt, output) -> None:
     start = getattr(generation_config, "think_start_token_id", None)
     end = getattr(generation_config, "think_end_token_id", None)
     if start is None or end is None or not isinstance(prompt, torch.Tensor) or prompt.dim() != 2:
@@ -718,12 +723,12 @@ def _warn_if_reasoning_cut(generation_config, prompt, output) -> None:
         return
     thinking = (prompt[:, -1] == start).repeat_interleave(sequences.size(0) // prompt.size(0))
     new = sequences[:, prompt.size(1) :]
-    stops = [end] + torch.tensor(generation_config.eos_token_id if generation_config.eos_token_id is not None else []).flatten().tolist()
+    stops = [end] + torch.tensor(eos_token_id if eos_token_id is not None else []).flatten().tolist()
     cut = thinking & ~torch.isin(new, torch.tensor(stops, device=new.device)).any(-1)
     if bool(cut.any()):
         warnings.warn(
             f"generation stopped inside the reasoning of {int(cut.sum())} of {cut.numel()} rows: "
-            f"{new.size(1)} new tokens and no `</think>`; raise max_new_tokens to get the answer",
+            f"{new.size(1)} new tokens and no `</think>`; if max_new_tokens cut it, raise it to get the answer",
             UserWarning,
             stacklevel=3,
         )

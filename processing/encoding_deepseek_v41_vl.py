@@ -60,18 +60,20 @@ REASONING_EFFORT_TEMPLATE = (
 # The generated assistant turn, as transformers' declarative response parser reads it
 # (`tokenizer.response_template`: the image-text-to-text pipeline, `transformers serve`,
 # `tokenizer.parse_response`). It splits what :func:`parse_completion` splits: `reasoning_content` up
-# to `</think>`, `content` up to EOS, one OpenAI-style tool call per DSML invoke. It differs in two
-# ways. A generation cut before EOS (or inside the reasoning) parses as far as it got instead of
-# raising. Tool-call `arguments` are a mapping (transformers' convention; `parse_completion` returns
-# upstream's JSON string), and `string="false"` values stay strings unless `tools` is given, whose
-# JSON schema casts them. The anchor also takes the `</think>` that a chat-mode prompt ends with.
+# to `</think>`, `content` up to EOS, one OpenAI-style tool call per DSML invoke, whitespace kept.
+# It differs in being lenient where `parse_completion` raises: a generation cut before EOS (or
+# inside the reasoning) parses as far as it got, and malformed DSML is not refused (a duplicate
+# parameter keeps the last value; `ns::tool` stays one name). Tool-call `arguments` are a mapping
+# (transformers' convention; `parse_completion` returns upstream's JSON string), and
+# `string="false"` values stay strings unless `tools` is given, whose JSON schema casts them. The
+# anchor also takes the `</think>` that a chat-mode prompt ends with.
 RESPONSE_TEMPLATE: dict[str, Any] = {
     "defaults": {"role": "assistant"},
     "start_anchor_pattern": re.escape(ASSISTANT_TOKEN) + "(?:" + re.escape(THINK_END) + ")?",
     "fields": {
-        "reasoning_content": {"open": THINK_START, "close": THINK_END, "content": "text"},
+        "reasoning_content": {"open": THINK_START, "close": THINK_END, "content": "text", "content_args": {"strip": False}},
         "tool_calls": {
-            "open_pattern": r"\s*(?:" + re.escape(DSML_CALLS) + r"\n)?" + re.escape(DSML_INVOKE) + r' name="(?P<name>[^"\n]+)">\n',
+            "open_pattern": r"(?:\n\n" + re.escape(DSML_CALLS) + r"\n)?" + re.escape(DSML_INVOKE) + r' name="(?P<name>[^"\n]+)">\n',
             "close_pattern": re.escape(DSML_INVOKE_END) + r">\n(?:" + re.escape(DSML_CALLS_END) + ")?",
             "repeats": True,
             "content": "xml-inline",
@@ -83,7 +85,7 @@ RESPONSE_TEMPLATE: dict[str, Any] = {
             },
             "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
         },
-        "content": {"close": EOS_TOKEN, "content": "text"},
+        "content": {"close": EOS_TOKEN, "content": "text", "content_args": {"strip": False}},
     },
 }
 

@@ -23,7 +23,6 @@ in the V4.1 checkpoint).
 
 from __future__ import annotations
 
-import copy
 import inspect
 import numbers
 import re
@@ -42,7 +41,6 @@ from transformers.utils.chat_template_utils import _get_template_variables, _nor
 
 from .encoding_deepseek_v41_vl import (
     IMAGE_PLACEHOLDER,
-    RESPONSE_TEMPLATE,
     collect_images,
     image_block_source,
     mark_image_blocks,
@@ -252,9 +250,6 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
             raise DeepseekV41ProcessorError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         if chat_template is None:
             chat_template = default_chat_template()
-        if getattr(tokenizer, "response_template", None) is None:
-            # the pipeline and `transformers serve` split generated turns with the tokenizer's template
-            tokenizer.response_template = copy.deepcopy(RESPONSE_TEMPLATE)
         self.image_token = IMAGE_PLACEHOLDER
         self.image_token_id = int(image_token_id)
         self.padding_side = padding_side

@@ -20,7 +20,8 @@ from pathlib import Path
 # (The fp32 GEMMs and `exp` come from MKL, whose code path also depends on the CPU vendor; no
 # setting reproduces the fixture machine's on an Intel CPU, see README "Tests".)
 if "torch" in sys.modules and "ONEDNN_MAX_CPU_ISA" not in os.environ:
-    raise RuntimeError("tests/conftest.py must run before torch is imported (it pins ONEDNN_MAX_CPU_ISA)")
+    # a plugin imported torch first: oneDNN may already have chosen its kernels
+    raise RuntimeError("torch was imported before tests/conftest.py could set ONEDNN_MAX_CPU_ISA; set it in the environment")
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
 
 import torch  # noqa: E402
