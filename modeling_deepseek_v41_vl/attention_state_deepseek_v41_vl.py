@@ -114,6 +114,14 @@ class DeepseekV41AttentionState:
 # --------------------------------------------------------------------------- padding
 
 
+def is_right_padding(attention_mask: torch.Tensor | None) -> bool:
+    """True for a [B, S] 0/1 mask with some 0 and no 1 after a 0 in any row."""
+    if attention_mask is None or attention_mask.dim() != 2 or bool(attention_mask.all()):
+        return False
+    mask = attention_mask.to(torch.int64)
+    return bool(((mask == 0) | (mask == 1)).all()) and bool((mask[:, 1:] <= mask[:, :-1]).all())
+
+
 def left_padding_offsets(attention_mask: torch.Tensor | None, past_length: int, seqlen: int) -> torch.Tensor | None:
     """Pad tokens before each row's first real token, from a transformers attention mask.
 
@@ -253,6 +261,7 @@ __all__ = [
     "chunk_window_idxs",
     "decode_window_idxs",
     "decode_window_idxs_at",
+    "is_right_padding",
     "left_padding_offsets",
     "window_topk_idxs",
 ]

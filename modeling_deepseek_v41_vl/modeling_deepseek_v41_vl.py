@@ -35,26 +35,30 @@ hooks for golden comparisons (`debug_deepseek_v41_vl.py`).
 from __future__ import annotations
 
 import copy
-import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers import initialization as init
-from transformers.generation.logits_process import SuppressTokensLogitsProcessor
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, BaseModelOutputWithPooling, CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
 from .attention_deepseek_v41_vl import DeepseekV41Attention
-from .attention_state_deepseek_v41_vl import DeepseekV41AttentionState, check_same_padding, left_padding_offsets
+from .attention_state_deepseek_v41_vl import (
+    DeepseekV41AttentionState,
+    check_same_padding,
+    is_right_padding,
+    left_padding_offsets,
+)
 from .cache_deepseek_v41_vl import DeepseekV41AttentionCache, DeepseekV41Cache
 from .configuration_deepseek_v41_vl import DeepseekV41Config
 from .cuda_graphs_deepseek_v41_vl import decode_layers
 from .decoder_layer_deepseek_v41_vl import DeepseekV41DecoderLayer
 from .engram_deepseek_v41_vl import DeepseekV41Engram, DeepseekV41EngramHash
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
+from .generation_deepseek_v41_vl import DeepseekV41GenerationMixin
 from .hyper_connection_deepseek_v41_vl import DeepseekV41HyperConnection, identity_pre_mix
 from .image_spans_deepseek_v41_vl import check_image_spans, image_span_length, llm_grid, parse_image_grid
 from .layers_deepseek_v41_vl import DeepseekV41Head, DeepseekV41RMSNorm, default_dtype
@@ -86,11 +90,16 @@ class DeepseekV41TransformerOutput(ModelOutput):
         logits: fp32 ``[B, K, V]``, the last K positions (``logits_to_keep``; all when 0).
         cache: the :class:`DeepseekV41Cache` holding the decode state (None without one).
         last_hidden_state: bf16 ``[B, S, D]``, the `norm` output (the head input).
+        hidden_states: with `output_hidden_states`, ``num_hidden_layers + 1`` bf16 ``[B, S, D]``:
+            the embedding output, then the residual stream after each block but the last
+            collapsed by the mix the next block's attention reads it with (``hc_pre``), then
+            `last_hidden_state` (transformers' convention: the last entry is after the final norm).
     """
 
     logits: torch.Tensor | None = None
     cache: DeepseekV41Cache | None = None
     last_hidden_state: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
 class DeepseekV41Transformer(nn.Module):
@@ -188,10 +197,22 @@ class DeepseekV41Transformer(nn.Module):
         Raises:
             DeepseekV41ModelError: the model has no vision tower.
         """
+        return self.encode_images(pixel_values, image_grid_thw)[1]
+
+    def encode_images(
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ViT output ``[sum n_vit_h * n_vit_w, vision width]``, aligner rows ``[sum n_llm_h *
+        n_llm_w, D]``), both bf16, images in order and each row-major.
+
+        Raises:
+            DeepseekV41ModelError: the model has no vision tower.
+        """
         if not self.vision_enabled:
             raise DeepseekV41ModelError("this model has no vision tower (vision_config.num_hidden_layers == 0)")
         self._follow_config_numerics()
-        return self.aligner(self.vision(pixel_values, image_grid_thw), image_grid_thw)
+        vit = self.vision(pixel_values, image_grid_thw)
+        return vit, self.aligner(vit, image_grid_thw)
 
     def get_image_span_embeddings(
         self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]
@@ -239,6 +260,7 @@ class DeepseekV41Transformer(nn.Module):
         logits_to_keep: int = 1,
         attention_mask: torch.Tensor | None = None,
         image_span_embeds: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
     ) -> DeepseekV41TransformerOutput:
         """Prefill (cache empty), prefill chunk or one-token decode step. Mirrors `Transformer.forward`.
 
@@ -268,6 +290,8 @@ class DeepseekV41Transformer(nn.Module):
             image_span_embeds: ``[n, D]`` rows for the n image-span positions of this forward
                 (``mm_token_type_ids == 1``, in (batch row, position) order), a slice of
                 :meth:`get_image_span_embeddings`; instead of `pixel_values`, at any position.
+            output_hidden_states: also return every block's collapsed output (see
+                :class:`DeepseekV41TransformerOutput`; costs one ``hc_pre`` per block).
 
         Returns:
             :class:`DeepseekV41TransformerOutput`.
@@ -339,12 +363,17 @@ class DeepseekV41Transformer(nn.Module):
         pre_mix = identity_pre_mix(x, self.hc_mult)
         attention_cache = cache.attention if cache is not None else DeepseekV41AttentionCache()
         state = DeepseekV41AttentionState(start_pos=start_pos, cache=attention_cache, pad_offsets=pad_offsets)
-        if input_ids.size(1) == 1 and start_pos > 0 and self.decode_layer_runs:
+        collected = [h] if output_hidden_states else None
+        if input_ids.size(1) == 1 and start_pos > 0 and self.decode_layer_runs and collected is None:
             x, pre_mix = decode_layers(self.layers, x, pre_mix, state, image_mask, hash_ids, engram_mask)
         else:
-            for layer in self.layers:
+            for index, layer in enumerate(self.layers):
                 x, pre_mix = layer(x, pre_mix, state, image_mask, hash_ids, engram_mask)
+                if collected is not None and index < len(self.layers) - 1:
+                    collected.append(self.hc.pre(x, pre_mix))
         hidden = self.norm(self.hc.pre(x, pre_mix))
+        if collected is not None:
+            collected.append(hidden)
         if cache is not None:
             cache.record_tokens(input_ids.size(1))
 
@@ -355,7 +384,10 @@ class DeepseekV41Transformer(nn.Module):
             logits = self.head(hidden)
         else:
             logits = self.head(hidden[:, -logits_to_keep:])
-        return DeepseekV41TransformerOutput(logits=logits, cache=cache, last_hidden_state=hidden)
+        return DeepseekV41TransformerOutput(
+            logits=logits, cache=cache, last_hidden_state=hidden,
+            hidden_states=None if collected is None else tuple(collected),
+        )
 
     def _image_positions(self, input_ids, mm_token_type_ids, pixel_values, image_grid_thw, image_span_embeds):
         """The image-span mask ``[B, S]`` (None without `mm_token_type_ids`) and the rows to
@@ -492,6 +524,9 @@ class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
             for name in ("image_start", "image_end", "image_newline"):
                 init.normal_(getattr(module, name), mean=0.0, std=std)
 
+    def _returns_dict(self, return_dict: bool | None) -> bool:
+        return self.config.return_dict if return_dict is None else bool(return_dict)
+
     def set_numerics(self, numerics: str | None = None, **backends: str) -> DeepseekV41Numerics:
         """Switch the numerics of the loaded model everywhere at once
         (:meth:`DeepseekV41Transformer.set_numerics`)."""
@@ -505,11 +540,24 @@ class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
         self.model.embed = value
 
     def get_image_features(
-        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]
-    ) -> torch.Tensor:
-        """Aligner rows of all images, bf16 ``[sum n_llm_h * n_llm_w, hidden_size]`` (images in
-        order, each row-major). See :meth:`DeepseekV41Transformer.get_image_features`."""
-        return self.model.get_image_features(pixel_values, image_grid_thw)
+        self,
+        pixel_values: torch.Tensor,
+        image_grid_thw: torch.Tensor | Sequence[Sequence[int]],
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPooling | tuple:
+        """The images' features, as transformers v5 models return them.
+
+        Returns:
+            `BaseModelOutputWithPooling`: ``last_hidden_state`` the ViT output, bf16
+            ``[sum n_vit_h * n_vit_w, vision hidden_size]``; ``pooler_output`` the aligner rows
+            the IMAGE positions of the spans receive, bf16 ``[sum n_llm_h * n_llm_w, hidden_size]``
+            (images in order, each row-major). A tuple in that order when `return_dict` is False.
+            See :meth:`DeepseekV41Transformer.encode_images`.
+        """
+        vit, rows = self.model.encode_images(pixel_values, image_grid_thw)
+        output = BaseModelOutputWithPooling(last_hidden_state=vit, pooler_output=rows)
+        return output if self._returns_dict(return_dict) else output.to_tuple()
 
     # -- shared forward plumbing ----------------------------------------------------------
     def _run(
@@ -523,6 +571,7 @@ class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
         use_cache: bool | None,
         inputs_embeds: torch.Tensor | None,
         logits_to_keep: int,
+        output_hidden_states: bool | None = None,
     ) -> DeepseekV41TransformerOutput:
         if inputs_embeds is not None:
             raise DeepseekV41ModelError(
@@ -538,6 +587,11 @@ class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
         use_cache = self.config.text_config.use_cache if use_cache is None else use_cache
         if cache is None and use_cache:
             cache = DeepseekV41Cache(self.config)
+        if cache is None and is_right_padding(attention_mask):
+            # every position reads only earlier ones (window, compressor groups, indexer, Engram),
+            # so padding after a row's last token never reaches it: a right-padded training batch
+            # runs as if unpadded, each row bitwise as alone (a cache would record the pads)
+            attention_mask = None
         if cache is not None and cache.get_seq_length() > 0:
             # decode: generate() keeps extending mm_token_type_ids with zeros; the new positions are text
             if mm_token_type_ids is not None and bool((mm_token_type_ids != 0).any()):
@@ -551,6 +605,7 @@ class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
             image_grid_thw=image_grid_thw,
             cache=cache,
             logits_to_keep=logits_to_keep,
+            output_hidden_states=self.config.output_hidden_states if output_hidden_states is None else output_hidden_states,
         )
 
 
@@ -578,16 +633,19 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         use_cache: bool | None = None,
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast:
+    ) -> BaseModelOutputWithPast | tuple:
         out = self._run(
             input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw,
-            cache if cache is not None else past_key_values, use_cache, inputs_embeds, 1,
+            cache if cache is not None else past_key_values, use_cache, inputs_embeds, 1, output_hidden_states,
         )
-        return BaseModelOutputWithPast(last_hidden_state=out.last_hidden_state, cache=out.cache)
+        output = BaseModelOutputWithPast(last_hidden_state=out.last_hidden_state, cache=out.cache, hidden_states=out.hidden_states)
+        return output if self._returns_dict(return_dict) else output.to_tuple()
 
 
-class DeepseekV41ForConditionalGeneration(DeepseekV41PreTrainedModel, GenerationMixin):
+class DeepseekV41ForConditionalGeneration(DeepseekV41PreTrainedModel, DeepseekV41GenerationMixin):
     """DeepSeek-V4.1-Flash with image input, for `generate`, `AutoModelForImageTextToText` and the
     ``image-text-to-text`` pipeline. Mirrors `inference/model.py: Transformer` + `generate.py`.
 
@@ -624,25 +682,35 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41PreTrainedModel, Generation
         logits_to_keep: int = 0,
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
         **kwargs,
-    ) -> CausalLMOutputWithPast:
+    ) -> CausalLMOutputWithPast | tuple:
         """Prefill (empty or no cache) or a one-token decode step.
 
         Args:
             input_ids: int64 ``[B, S]``; every image-span position carries `image_token_id`.
-            attention_mask: int ``[B, S]``; 0 marks padding (run as tokens, see the class doc).
+            attention_mask: int ``[B, S]``; 0 marks padding. Left padding (generation) runs the
+                pads as tokens, see the class doc; right padding (training batches) is accepted
+                without a cache and changes nothing for the real tokens.
             mm_token_type_ids: int ``[B, S]``, 1 on image-span positions (processor output).
             pixel_values: float ``[total_patches, 588]``; prefill only. image_grid_thw: int
                 ``[n_images, 3]`` rows ``(1, n_vit_h, n_vit_w)``.
             cache / past_key_values: a :class:`DeepseekV41Cache`; a new one is made when
                 `use_cache` (default `text_config.use_cache`) and none is given.
-            labels: int64 ``[B, S]`` for the causal LM loss (-100 ignored); needs all logits.
+            labels: int64 ``[B, S]`` for the causal LM loss (-100 ignored, as is every padded
+                position); computes all logits and builds no cache unless `use_cache` is True.
             logits_to_keep: logits of the last K positions (0: all). `generate` passes 1, which
                 computes the head exactly as the reference (a GEMM over ``[B, D]``).
             position_ids: ignored (positions follow the cache). inputs_embeds: refused.
+            output_hidden_states: return ``hidden_states``, ``num_hidden_layers + 1`` bf16
+                ``[B, S, D]`` (the mHC stream collapsed; see `DeepseekV41TransformerOutput`).
+            return_dict: False returns the output's `to_tuple()` (loss first when labels are
+                given); None follows `config.return_dict`.
+            kwargs: reach `loss_function` (`num_items_in_batch`, `shift_labels`, ...).
 
         Returns:
-            `CausalLMOutputWithPast`: ``logits`` fp32 ``[B, K, V]``, ``cache``, ``loss``.
+            `CausalLMOutputWithPast`: ``logits`` fp32 ``[B, K, V]``, ``cache``, ``loss``; or its tuple.
 
         Raises:
             DeepseekV41ModelError: inputs_embeds, a cache of another type, image spans that do not
@@ -651,87 +719,21 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41PreTrainedModel, Generation
         """
         if labels is not None:
             logits_to_keep = 0
+            use_cache = False if use_cache is None else use_cache  # training: no cache unless asked
+            if attention_mask is not None:
+                labels = labels.masked_fill(attention_mask == 0, -100)  # padding is never scored
         out = self._run(
             input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw,
             cache if cache is not None else past_key_values, use_cache, inputs_embeds, logits_to_keep,
+            output_hidden_states,
         )
         loss = None
         if labels is not None:
-            loss = self.loss_function(logits=out.logits, labels=labels, vocab_size=self.config.text_config.vocab_size)
-        return CausalLMOutputWithPast(loss=loss, logits=out.logits, cache=out.cache)
-
-    # -- generation -----------------------------------------------------------------------
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        return False
-
-    def generate(self, *args, **kwargs):
-        """`GenerationMixin.generate`, plus a `UserWarning` when a thinking-mode row stopped before
-        `</think>` (its left-padded prompt ends with `<think>`, and it generated neither `</think>`
-        nor EOS). The `<think>` / `</think>` ids come from the model's generation config
-        (`think_start_token_id` / `think_end_token_id`, written by the conversion); without them
-        there is no check."""
-        output = super().generate(*args, **kwargs)
-        prompt = args[0] if args else kwargs.get("inputs")
-        if prompt is None:
-            prompt = kwargs.get("input_ids")
-        user = kwargs.get("generation_config")
-        eos = kwargs.get("eos_token_id", getattr(user, "eos_token_id", None))
-        if eos is None:
-            eos = self.generation_config.eos_token_id
-        _warn_if_reasoning_cut(self.generation_config, eos, prompt, output)
-        return output
-
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
-        """A :class:`DeepseekV41Cache` for the batch (the model has no key/value cache to share)."""
-        if model_kwargs.get("cache") is not None:
-            model_kwargs["cache"]._is_user_defined = True
-            return
-        if model_kwargs.get("past_key_values") is not None:
-            model_kwargs["cache"] = model_kwargs.pop("past_key_values")
-            return
-        if generation_config.use_cache is False:
-            return
-        model_kwargs["cache"] = DeepseekV41Cache(self.config)
-
-    def _expand_inputs_for_generation(self, expand_size: int = 1, *args, **kwargs):
-        # pixel_values / image_grid_thw are per image, not per batch row: a plain repeat would
-        # pair rows with the wrong images
-        if expand_size > 1 and kwargs.get("pixel_values") is not None:
-            raise DeepseekV41ModelError(
-                "num_beams > 1 or num_return_sequences > 1 with images is not supported; repeat the prompt in the batch"
+            loss = self.loss_function(
+                logits=out.logits, labels=labels, vocab_size=self.config.text_config.vocab_size, **kwargs
             )
-        return super()._expand_inputs_for_generation(expand_size, *args, **kwargs)
-
-    def _get_logits_processor(self, generation_config, *args, **kwargs):
-        processors = super()._get_logits_processor(generation_config, *args, **kwargs)
-        suppressed = generation_config.suppress_tokens or []
-        if self.config.image_token_id not in suppressed:
-            # also when a caller's generation config dropped it: the image id is never a valid output
-            device = kwargs.get("device") or self.device
-            processors.append(SuppressTokensLogitsProcessor([self.config.image_token_id], device=device))
-        return processors
-
-
-def _warn_if_reasoning_cut(generation_config, eos_token_id, prompt, output) -> None:
-    start = getattr(generation_config, "think_start_token_id", None)
-    end = getattr(generation_config, "think_end_token_id", None)
-    if start is None or end is None or not isinstance(prompt, torch.Tensor) or prompt.dim() != 2:
-        return
-    sequences = output if isinstance(output, torch.Tensor) else getattr(output, "sequences", None)
-    if sequences is None or sequences.size(0) % prompt.size(0):
-        return
-    thinking = (prompt[:, -1] == start).repeat_interleave(sequences.size(0) // prompt.size(0))
-    new = sequences[:, prompt.size(1) :]
-    stops = [end] + torch.tensor(eos_token_id if eos_token_id is not None else []).flatten().tolist()
-    cut = thinking & ~torch.isin(new, torch.tensor(stops, device=new.device)).any(-1)
-    if bool(cut.any()):
-        warnings.warn(
-            f"generation stopped inside the reasoning of {int(cut.sum())} of {cut.numel()} rows: "
-            f"{new.size(1)} new tokens and no `</think>`; if max_new_tokens cut it, raise it to get the answer",
-            UserWarning,
-            stacklevel=3,
-        )
+        output = CausalLMOutputWithPast(loss=loss, logits=out.logits, cache=out.cache, hidden_states=out.hidden_states)
+        return output if self._returns_dict(return_dict) else output.to_tuple()
 
 
 class DeepseekV41ForCausalLM(DeepseekV41ForConditionalGeneration):
@@ -749,10 +751,38 @@ class DeepseekV41ForCausalLM(DeepseekV41ForConditionalGeneration):
             config.architectures = ["DeepseekV41ForCausalLM"]
         super().__init__(config)
 
-    def forward(self, input_ids: torch.LongTensor | None = None, *args, pixel_values=None, **kwargs):
+    @property
+    def get_image_features(self):
+        raise AttributeError("DeepseekV41ForCausalLM is text-only: it has no get_image_features")
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: DeepseekV41Cache | None = None,
+        past_key_values: DeepseekV41Cache | None = None,
+        use_cache: bool | None = None,
+        labels: torch.LongTensor | None = None,
+        logits_to_keep: int = 0,
+        inputs_embeds: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        pixel_values: torch.Tensor | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast | tuple:
+        """Text-only :meth:`DeepseekV41ForConditionalGeneration.forward` (same arguments, no images).
+
+        Raises:
+            DeepseekV41ModelError: `pixel_values` given.
+        """
         if pixel_values is not None:
             raise DeepseekV41ModelError("DeepseekV41ForCausalLM is text-only; use DeepseekV41ForConditionalGeneration")
-        return super().forward(input_ids, *args, **kwargs)
+        return super().forward(
+            input_ids=input_ids, attention_mask=attention_mask, cache=cache, past_key_values=past_key_values,
+            use_cache=use_cache, labels=labels, logits_to_keep=logits_to_keep, inputs_embeds=inputs_embeds,
+            position_ids=position_ids, output_hidden_states=output_hidden_states, return_dict=return_dict, **kwargs,
+        )
 
 
 __all__ = [

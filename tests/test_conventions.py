@@ -1,0 +1,201 @@
+"""transformers conventions a user meets in ordinary work (issue [conventions]): tuple outputs,
+`**kwargs` reaching the loss, explicit forward signatures, and beam search / several samples per
+prompt with images."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
+
+import deepseek_v41_vl  # noqa: F401  (registers the Auto classes)
+from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41AttentionError, DeepseekV41ModelError
+from deepseek_v41_vl.cli import bundled_photo
+from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import (
+    DeepseekV41ForCausalLM,
+    DeepseekV41ForConditionalGeneration,
+    DeepseekV41Model,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SHORT = "<｜begin▁of▁sentence｜><｜User｜><｜deepseek_image｜>What is it?<｜Assistant｜></think>"
+LONG = "<｜begin▁of▁sentence｜><｜User｜><｜deepseek_image｜><｜deepseek_image｜>Compare the two.<｜Assistant｜></think>"
+
+
+@pytest.fixture(scope="module")
+def model(converted_tiny_fp8):
+    return AutoModelForImageTextToText.from_pretrained(converted_tiny_fp8, numerics="exact")
+
+
+@pytest.fixture(scope="module")
+def processor(converted_tiny_fp8):
+    return AutoProcessor.from_pretrained(converted_tiny_fp8)
+
+
+@pytest.fixture(scope="module")
+def photos(golden):
+    return [str(bundled_photo()), str(golden / "preprocess" / "images" / "rocket.jpg")]
+
+
+def test_return_dict_false_returns_a_tuple_loss_first(converted_tiny_fp8, model, processor):
+    inputs = processor(text=["<｜begin▁of▁sentence｜>hello there"], return_tensors="pt")
+    labels = inputs["input_ids"].clone()
+    with torch.no_grad():
+        out = model(**inputs, labels=labels, use_cache=False)
+        loss, logits = model(**inputs, labels=labels, use_cache=False, return_dict=False)[:2]
+        (only_logits,) = model(**inputs, use_cache=False, return_dict=False)
+    assert torch.equal(loss, out.loss) and torch.equal(logits, out.logits) and torch.equal(only_logits, out.logits)
+    backbone = AutoModel.from_pretrained(converted_tiny_fp8, numerics="exact")  # a tuple too
+    with torch.no_grad():
+        first = backbone(**inputs, use_cache=False, return_dict=False)[0]
+    assert type(backbone) is DeepseekV41Model
+    assert isinstance(first, torch.Tensor) and first.shape[:2] == inputs["input_ids"].shape
+
+
+def test_kwargs_reach_the_loss_function(model, processor):
+    inputs = processor(text=["<｜begin▁of▁sentence｜>a few words to score"], return_tensors="pt")
+    labels = inputs["input_ids"].clone()
+    n_scored = labels.size(1) - 1  # the causal shift scores every position but the first
+    with torch.no_grad():
+        mean = model(**inputs, labels=labels, use_cache=False).loss
+        summed = model(**inputs, labels=labels, use_cache=False, num_items_in_batch=torch.tensor(1)).loss
+    # num_items_in_batch turns the mean into sum / num_items_in_batch (gradient accumulation)
+    torch.testing.assert_close(summed, mean * n_scored, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [DeepseekV41ForConditionalGeneration, DeepseekV41ForCausalLM, DeepseekV41Model])
+def test_forward_signatures_are_explicit(cls):
+    # Trainer keeps only the dataset columns that forward names (`_set_signature_columns_if_needed`)
+    parameters = inspect.signature(cls.forward).parameters
+    assert not any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters.values())
+    assert {"input_ids", "attention_mask", "return_dict"} <= set(parameters)
+    if cls is not DeepseekV41Model:
+        assert "labels" in parameters
+
+
+def test_causal_lm_takes_the_same_keywords(converted_tiny_fp8, model, processor):
+    text_model = AutoModelForCausalLM.from_pretrained(converted_tiny_fp8, numerics="exact")
+    inputs = processor(text=["<｜begin▁of▁sentence｜>hello there"], return_tensors="pt")
+    with torch.no_grad():
+        ours = text_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False, return_dict=False)
+        theirs = model(**inputs, use_cache=False)
+    assert torch.equal(ours[0], theirs.logits)
+
+
+def test_expanding_a_batch_repeats_each_rows_images(model, processor, photos):
+    batch = processor(images=[photos, [photos[1]]], text=[LONG, SHORT], return_tensors="pt")
+    _, expanded = model._expand_inputs_for_generation(
+        expand_size=2, input_ids=batch["input_ids"], **{k: v for k, v in batch.items() if k != "input_ids"}
+    )
+    grid, pixels = batch["image_grid_thw"], batch["pixel_values"]
+    n = grid.prod(-1).tolist()
+    first, second, third = pixels[: n[0]], pixels[n[0] : n[0] + n[1]], pixels[n[0] + n[1] :]
+    want = torch.cat([first, second, first, second, third, third])
+    assert torch.equal(expanded["pixel_values"], want)
+    assert torch.equal(expanded["image_grid_thw"], grid[[0, 1, 0, 1, 2, 2]])
+    assert torch.equal(expanded["mm_token_type_ids"], batch["mm_token_type_ids"].repeat_interleave(2, 0))
+
+
+def test_beam_search_with_images_gives_each_row_what_it_gives_alone(model, processor, photos):
+    batch = processor(images=[photos, [photos[1]]], text=[LONG, SHORT], return_tensors="pt")
+    kwargs = {"num_beams": 2, "num_return_sequences": 2, "do_sample": False, "max_new_tokens": 4}
+    out = model.generate(**batch, **kwargs)
+    assert out.shape[0] == 4
+    new = out[:, batch["input_ids"].shape[1] :].tolist()
+    for row, (images, text) in enumerate([(photos, LONG), ([photos[1]], SHORT)]):
+        alone = processor(images=[images], text=[text], return_tensors="pt")
+        single = model.generate(**alone, **kwargs)[:, alone["input_ids"].shape[1] :].tolist()
+        assert new[2 * row : 2 * row + 2] == single
+
+
+def test_several_samples_per_image_prompt(model, processor, photos):
+    inputs = processor(images=[photos[1]], text=SHORT, return_tensors="pt")
+    torch.manual_seed(0)
+    out = model.generate(**inputs, do_sample=True, num_return_sequences=3, max_new_tokens=3)
+    assert out.shape == (3, inputs["input_ids"].shape[1] + 3)
+    assert model.config.image_token_id not in out[:, inputs["input_ids"].shape[1] :]
+
+
+def test_expansion_refuses_images_that_do_not_fill_the_spans(model, processor, photos):
+    batch = processor(images=[photos[1]], text=SHORT, return_tensors="pt")
+    with pytest.raises(DeepseekV41ModelError, match="images for 1 image spans"):
+        model._expand_images(
+            torch.cat([batch["pixel_values"]] * 2), torch.cat([batch["image_grid_thw"]] * 2), batch["mm_token_type_ids"], 2
+        )
+
+
+
+def test_output_hidden_states_in_forward(converted_tiny_fp8, model, processor, photos):
+    inputs = processor(images=[photos[1]], text=SHORT, return_tensors="pt")
+    layers = model.config.text_config.num_hidden_layers
+    with torch.no_grad():
+        plain = model(**inputs, use_cache=False)
+        out = model(**inputs, use_cache=False, output_hidden_states=True)
+        embedded = model.model.embed(inputs["input_ids"])
+        backbone = AutoModel.from_pretrained(converted_tiny_fp8, numerics="exact")(**inputs, use_cache=False, output_hidden_states=True)
+    assert plain.hidden_states is None
+    assert torch.equal(out.logits, plain.logits)  # asking for them changes nothing else
+    states = out.hidden_states
+    assert len(states) == layers + 1 and all(s.shape == (*inputs["input_ids"].shape, embedded.size(-1)) for s in states)
+    text = inputs["mm_token_type_ids"][0] == 0  # image positions carry the merged aligner rows instead
+    assert torch.equal(states[0][0, text], embedded[0, text])
+    assert not torch.equal(states[0], embedded)
+    assert torch.equal(states[-1], backbone.last_hidden_state)
+    assert all(torch.equal(a, b) for a, b in zip(states, backbone.hidden_states))
+    assert all(not torch.equal(a, b) for a, b in zip(states[:-1], states[1:]))
+
+
+def test_output_hidden_states_in_generate(model, processor, photos):
+    inputs = processor(images=[photos[1]], text=SHORT, return_tensors="pt")
+    layers = model.config.text_config.num_hidden_layers
+    plain = model.generate(**inputs, do_sample=False, max_new_tokens=3)
+    out = model.generate(**inputs, do_sample=False, max_new_tokens=3, return_dict_in_generate=True, output_hidden_states=True)
+    assert torch.equal(out.sequences, plain)
+    assert len(out.hidden_states) == 3
+    prompt = inputs["input_ids"].shape[1]
+    for step, states in enumerate(out.hidden_states):
+        assert len(states) == layers + 1
+        assert all(s.shape[:2] == (1, prompt if step == 0 else 1) for s in states)
+
+
+def test_get_image_features_follows_transformers_v5(converted_tiny_fp8, model, processor, photos):
+    inputs = processor(images=photos, text=LONG, return_tensors="pt")
+    grid = inputs["image_grid_thw"]
+    with torch.no_grad():
+        out = model.get_image_features(inputs["pixel_values"], grid)
+        as_tuple = model.get_image_features(inputs["pixel_values"], grid, return_dict=False)
+        rows = model.model.get_image_features(inputs["pixel_values"], grid)
+        vit = model.model.vision(inputs["pixel_values"], grid)
+    assert torch.equal(out.pooler_output, rows) and torch.equal(out.last_hidden_state, vit)
+    assert out.last_hidden_state.shape == (int(grid.prod(-1).sum()), model.config.vision_config.hidden_size)
+    n_rows = sum(h * w for h, w in model.model.image_llm_grids(grid))
+    assert out.pooler_output.shape == (n_rows, model.config.text_config.hidden_size)
+    assert len(as_tuple) == 2 and torch.equal(as_tuple[0], vit) and torch.equal(as_tuple[1], rows)
+    text_model = AutoModelForCausalLM.from_pretrained(converted_tiny_fp8)
+    assert not hasattr(text_model, "get_image_features")
+
+
+def test_right_padded_training_batch_with_labels(model, processor):
+    tokenizer = processor.tokenizer
+    texts = ["<｜begin▁of▁sentence｜>a longer training example here", "<｜begin▁of▁sentence｜>short"]
+    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    assert not mask[1].all() and mask[1, 0] == 1  # right padding
+    other = ids.masked_fill(mask == 0, 7)  # other tokens where the padding was
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, labels=ids)
+        masked = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+        changed = model(input_ids=other, attention_mask=mask, labels=other)
+    assert out.cache is None  # labels: no cache unless asked for
+    assert torch.equal(out.loss, masked.loss) and torch.equal(out.loss, changed.loss)  # pads are never scored
+    for b, r in enumerate(rows):
+        # what sits after a row's last token never reaches it (same shapes, so the same kernels)
+        assert torch.equal(out.logits[b, : len(r)], changed.logits[b, : len(r)])
+    assert not torch.equal(out.logits[1, len(rows[1]) :], changed.logits[1, len(rows[1]) :])
+    with pytest.raises(DeepseekV41AttentionError, match="only left padding"):
+        model(input_ids=ids, attention_mask=mask, use_cache=True)  # a cache would record the pads
