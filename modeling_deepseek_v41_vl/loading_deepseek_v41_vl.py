@@ -591,6 +591,8 @@ class DeepseekV41LoadingMixin:
     def from_pretrained(cls, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`; ``dtype`` "auto" (the default) means bfloat16, the
         compute dtype. It never changes a stored tensor: every parameter keeps its module dtype.
+        ``dtype=torch.float32`` then casts the vision tower and aligner to fp32 for fine-tuning
+        (:meth:`set_vision_dtype`); the quantized storage and the language model stay as stored.
         ``numerics="exact"`` sets `config.text_config.numerics` (bitwise the reference on CPU).
         A local ``convert --link`` folder (index ``metadata.layout == "official"``) is then filled
         through the load-time transform (:meth:`_load_official_layout`).
@@ -609,9 +611,13 @@ class DeepseekV41LoadingMixin:
             DeepseekV41EngramPlacementError: `engram_device` other than "cpu" or without a `device_map`;
                 a table mapped to "cpu" inside an offloaded ("disk", or "cpu" beside GPUs) layer.
         """
-        if kwargs.get("dtype", kwargs.get("torch_dtype")) in (None, "auto"):
-            kwargs.pop("torch_dtype", None)
-            kwargs["dtype"] = torch.bfloat16
+        requested = kwargs.pop("dtype", kwargs.pop("torch_dtype", None))
+        if requested not in (None, "auto", torch.bfloat16, torch.float32, "bfloat16", "float32"):
+            raise DeepseekV41ModelError(
+                f"dtype must be 'auto' / torch.bfloat16 (the compute dtype) or torch.float32 (a vision tower and "
+                f"aligner to fine-tune in fp32), got {requested!r}: the stored tensors keep their own dtypes"
+            )
+        kwargs["dtype"] = torch.bfloat16
         path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
         engram_device = kwargs.pop("engram_device", None)
         if engram_device is not None:
@@ -633,7 +639,27 @@ class DeepseekV41LoadingMixin:
         else:
             _refuse_a_random_vision_tower(model, info, path)
         model._suppress_image_token()
+        if requested in (torch.float32, "float32") and model.model.vision_enabled:
+            model.set_vision_dtype(torch.float32)
         return (model, info) if want_info else model
+
+    def set_vision_dtype(self, dtype: torch.dtype = torch.float32):
+        """Cast the vision tower and the aligner (the parts people fine-tune) to `dtype`; returns
+        the model. Their forward follows their weights' dtype and the aligner rows are cast to
+        the language model's bf16 where they are merged, so the rest is unchanged. In fp32 an
+        AdamW step moves every element even at small learning rates (bf16 rounds most updates
+        of ~1e-5 relative size away). `from_pretrained(..., dtype=torch.float32)` calls it.
+
+        Raises:
+            DeepseekV41ModelError: the model has no vision tower, or `dtype` is not a float dtype.
+        """
+        if not self.model.vision_enabled:
+            raise DeepseekV41ModelError("this model has no vision tower (vision_config.num_hidden_layers == 0)")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+            raise DeepseekV41ModelError(f"the vision dtype must be torch.float32, torch.bfloat16 or similar, got {dtype!r}")
+        self.model.vision.to(dtype)
+        self.model.aligner.to(dtype)
+        return self
 
     @classmethod
     def _empty_for_device_map(cls, path, kwargs: dict) -> nn.Module:

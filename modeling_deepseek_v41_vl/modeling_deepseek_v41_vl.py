@@ -462,7 +462,9 @@ class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     input_modalities = ("image", "text")
-    supports_gradient_checkpointing = False
+    # ViT blocks only: a decoder layer's recompute would see the per-forward attention state that
+    # later layers advanced (window ring, compressor groups), so decoder layers are not checkpointed
+    supports_gradient_checkpointing = True
     _no_split_modules = ["DeepseekV41DecoderLayer", "DeepseekV41VisionBlock"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = False

@@ -400,9 +400,13 @@ def fp4_block_gemm(
     return out.to(torch.bfloat16).view(*a.shape[:-1], n)
 
 
-class DeepseekV41Linear(nn.Module):
+class DeepseekV41Linear(nn.Linear):
     """Bias-free linear whose GEMM follows the weight's storage dtype. Mirrors `inference/model.py:
     Linear` and `linear()`.
+
+    An `nn.Linear` subclass (with ``bias = None``), so PEFT's LoRA and other tools that target
+    linear layers accept it: LoRA adds its bf16/fp32 adapter to this layer's output, and the
+    straight-through gradient below reaches the adapter's input side.
 
     - ``"bf16"`` / ``"fp32"``: ``F.linear(x, weight)`` in the weight's dtype, no activation quant
       (x must already have that dtype, as in the reference).
@@ -433,7 +437,8 @@ class DeepseekV41Linear(nn.Module):
         weight_dtype: str | torch.dtype = "bf16",
         numerics: DeepseekV41Numerics | str = "fast",
     ):
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate (and initialise) a float weight
+        self.register_parameter("bias", None)
         if isinstance(weight_dtype, torch.dtype):
             names = {v: k for k, v in WEIGHT_DTYPES.items()}
             if weight_dtype not in names:
@@ -494,11 +499,22 @@ class DeepseekV41Linear(nn.Module):
         return dequantize_fp4_weight(self.weight, self.scale, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[..., in]`` -> ``[..., out]`` (bf16 for quantized weights, else the weight's dtype)."""
+        """x ``[..., in]`` -> ``[..., out]`` (bf16 for quantized weights, else the weight's dtype).
+
+        With a quantized weight and an `x` that needs a gradient (fine-tuning what feeds this
+        layer: the aligner, the tower, LoRA adapters), the values are the same and the gradient
+        w.r.t. `x` is the straight-through one: as if the activation quantization were the
+        identity, ``grad_x = grad_y @ W`` with the dequantized weight (the weight stays frozen).
+        """
         if not self.is_quantized:
             return F.linear(x, self.weight)
         if x.size(-1) != self.in_features:
             raise DeepseekV41QuantizationError(f"input has {x.size(-1)} features, the linear expects {self.in_features}")
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _StraightThroughQuantizedLinear.apply(x, self)
+        return self._quantized_forward(x)
+
+    def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.numerics.exact:
             q, s = act_quant(x)
             gemm = fp8_block_gemm if self.weight_dtype == "fp8" else fp4_block_gemm
@@ -521,6 +537,21 @@ class DeepseekV41Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weight_dtype={self.weight_dtype}, numerics={self.numerics.mode}"
+
+
+class _StraightThroughQuantizedLinear(torch.autograd.Function):
+    """The quantized GEMM's values, the straight-through estimator's gradient w.r.t. the input."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, linear: DeepseekV41Linear) -> torch.Tensor:
+        ctx.linear = linear
+        with torch.no_grad():
+            return linear._quantized_forward(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weight = ctx.linear.dequantized_weight(torch.float32)
+        return (grad.float() @ weight).to(grad.dtype), None
 
 
 __all__ = [

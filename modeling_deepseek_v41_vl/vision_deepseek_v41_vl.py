@@ -43,6 +43,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..triton_ops.vision_rope import apply_vision_rope
 from .configuration_deepseek_v41_vl import DeepseekV41ConfigError, DeepseekV41VisionConfig
@@ -178,7 +179,7 @@ class DeepseekV41VisionMLP(nn.Module):
         return self.w2(F.silu(gate) * up)
 
 
-class DeepseekV41VisionBlock(nn.Module):
+class DeepseekV41VisionBlock(GradientCheckpointingLayer):
     """Pre-norm block: x + attn(norm1(x)), then + mlp(norm2(x)). Mirrors `inference/vision.py: Block`."""
 
     def __init__(self, config: DeepseekV41VisionConfig, numerics: DeepseekV41Numerics | str = "fast"):
