@@ -64,7 +64,7 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         if expand_size > 1 and pixel_values is not None:
             pixel_values, grid = self._expand_images(pixel_values, grid, kwargs.get("mm_token_type_ids"), expand_size)
         input_ids, kwargs = super()._expand_inputs_for_generation(expand_size, is_encoder_decoder, input_ids, **kwargs)
-        if pixel_values is not None:
+        if pixel_values is not None or grid is not None:
             kwargs["pixel_values"], kwargs["image_grid_thw"] = pixel_values, grid
         return input_ids, kwargs
 

@@ -33,6 +33,8 @@ the budgets, decoder layers and ViT blocks whole.
 
 from __future__ import annotations
 
+import warnings
+
 import contextlib
 import functools
 import json
@@ -613,9 +615,11 @@ class DeepseekV41LoadingMixin:
         """
         requested = kwargs.pop("dtype", kwargs.pop("torch_dtype", None))
         if requested not in (None, "auto", torch.bfloat16, torch.float32, "bfloat16", "float32"):
-            raise DeepseekV41ModelError(
-                f"dtype must be 'auto' / torch.bfloat16 (the compute dtype) or torch.float32 (a vision tower and "
-                f"aligner to fine-tune in fp32), got {requested!r}: the stored tensors keep their own dtypes"
+            warnings.warn(
+                f"dtype={requested!r} is not used: the model computes in bfloat16 and every stored tensor keeps its "
+                "dtype (torch.float32 makes the vision tower and aligner fp32 for fine-tuning)",
+                UserWarning,
+                stacklevel=2,
             )
         kwargs["dtype"] = torch.bfloat16
         path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
@@ -655,8 +659,8 @@ class DeepseekV41LoadingMixin:
         """
         if not self.model.vision_enabled:
             raise DeepseekV41ModelError("this model has no vision tower (vision_config.num_hidden_layers == 0)")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
-            raise DeepseekV41ModelError(f"the vision dtype must be torch.float32, torch.bfloat16 or similar, got {dtype!r}")
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise DeepseekV41ModelError(f"the vision dtype must be torch.float32 or torch.bfloat16, got {dtype!r}")
         self.model.vision.to(dtype)
         self.model.aligner.to(dtype)
         return self

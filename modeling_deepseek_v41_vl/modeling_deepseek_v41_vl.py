@@ -592,7 +592,7 @@ class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
         if cache is None and is_right_padding(attention_mask):
             # every position reads only earlier ones (window, compressor groups, indexer, Engram),
             # so padding after a row's last token never reaches it: a right-padded training batch
-            # runs as if unpadded, each row bitwise as alone (a cache would record the pads)
+            # runs as if unpadded (a cache would record the pads)
             attention_mask = None
         if cache is not None and cache.get_seq_length() > 0:
             # decode: generate() keeps extending mm_token_type_ids with zeros; the new positions are text
@@ -723,7 +723,9 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41PreTrainedModel, DeepseekV4
             logits_to_keep = 0
             use_cache = False if use_cache is None else use_cache  # training: no cache unless asked
             if attention_mask is not None:
-                labels = labels.masked_fill(attention_mask == 0, -100)  # padding is never scored
+                # never score padding, nor a token predicted from a pad (the loss shifts by one)
+                real = attention_mask[:, -labels.size(1) :] != 0
+                labels = labels.masked_fill(~(real & torch.cat([real[:, :1], real[:, :-1]], dim=1)), -100)
         out = self._run(
             input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw,
             cache if cache is not None else past_key_values, use_cache, inputs_embeds, logits_to_keep,

@@ -472,6 +472,15 @@ class DeepseekV41Linear(nn.Linear):
     def is_quantized(self) -> bool:
         return self.weight_dtype in ("fp8", "fp4")
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the output: bf16 for quantized weights (PEFT reads it to place adapters,
+        as for bitsandbytes layers), else the weight's."""
+        return torch.bfloat16 if self.is_quantized else self.weight.dtype
+
+    def reset_parameters(self) -> None:
+        """No-op: the storage comes from a checkpoint (nn.Linear's init cannot fill fp8 / fp4)."""
+
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16, backend: str | None = None) -> torch.Tensor:
         """The logical ``[out, in]`` weight in `dtype` (exact in bf16 for fp8/fp4 storage).
 

@@ -58,7 +58,7 @@ MIN_IMAGE_TOKENS = image_span_length(1, 1)
 
 EXIF_ORIENTATION_POLICIES = ("ignore", "apply")
 
-ImageSource = str | os.PathLike | bytes | bytearray | memoryview | BinaryIO | Image.Image
+ImageSource = str | os.PathLike | bytes | bytearray | memoryview | BinaryIO | Image.Image | np.ndarray | torch.Tensor
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,10 +204,46 @@ def plan_image_grid(
 # --------------------------------------------------------------------------------------------
 
 
+def array_to_image(array: np.ndarray | torch.Tensor) -> Image.Image:
+    """A numpy array or torch tensor as a PIL image, the documented conversion for array input.
+
+    Layout: ``[H, W]`` (gray), ``[H, W, C]`` or ``[C, H, W]`` with C in 1, 3, 4. The first axis
+    is taken as channels when it has 1, 3 or 4 entries (transformers' rule), else the last.
+    Values: uint8 as they are; floats must lie in [0, 1] and become ``round(x * 255)``. The
+    image then takes the PIL path (``convert("RGB")``: alpha dropped, gray replicated).
+
+    Raises:
+        DeepseekV41ImageError: another rank, channel count or dtype; floats outside [0, 1] or not
+            finite; an empty array.
+    """
+    if isinstance(array, torch.Tensor):
+        array = array.detach().cpu().numpy()
+    if array.ndim == 3:
+        if array.shape[0] in (1, 3, 4):
+            array = np.moveaxis(array, 0, -1)
+        elif array.shape[-1] not in (1, 3, 4):
+            raise DeepseekV41ImageError(f"image array {array.shape} has no channel axis of 1, 3 or 4 (first or last)")
+        if array.shape[-1] == 1:
+            array = array[..., 0]
+    elif array.ndim != 2:
+        raise DeepseekV41ImageError(f"image array must be [H, W], [H, W, C] or [C, H, W], got shape {array.shape}")
+    if array.size == 0:
+        raise DeepseekV41ImageError(f"image array {array.shape} is empty")
+    if np.issubdtype(array.dtype, np.floating):
+        if not np.isfinite(array).all() or array.min() < 0 or array.max() > 1:
+            raise DeepseekV41ImageError("float image arrays must hold finite values in [0, 1]")
+        array = np.rint(array.astype(np.float64) * 255).astype(np.uint8)
+    elif array.dtype != np.uint8:
+        raise DeepseekV41ImageError(f"image arrays must be uint8 or float in [0, 1], got {array.dtype}")
+    return Image.fromarray(np.ascontiguousarray(array))
+
+
 def _read_source(src: Any, allow_urls: bool) -> bytes | Image.Image:
-    """The encoded bytes of `src` (or `src` itself when it is already a PIL image)."""
+    """The encoded bytes of `src` (or a PIL image: `src` itself, or an array converted)."""
     if isinstance(src, Image.Image):
         return src
+    if isinstance(src, (np.ndarray, torch.Tensor)):
+        return array_to_image(src)
     if isinstance(src, (bytes, bytearray, memoryview)):
         return bytes(src)
     if hasattr(src, "read"):
@@ -245,7 +281,7 @@ def _read_source(src: Any, allow_urls: bool) -> bytes | Image.Image:
         except OSError as err:
             raise DeepseekV41ImageError(f"cannot read image file {src!r}: {err}") from err
     raise DeepseekV41ImageError(
-        f"unsupported image input of type {type(src).__name__}: pass a path, bytes, a binary file object or a PIL image"
+        f"unsupported image input of type {type(src).__name__}: pass a path, bytes, a binary file object, a PIL image, or a numpy array / torch tensor"
     )
 
 
@@ -259,7 +295,8 @@ def load_image(
     """Open one image as an RGB PIL image, as `inference/image_processor.py: load_image` does.
 
     Encoded input (path, bytes, binary file object, base64 `data:` URL, or an http(s) URL when
-    `allow_urls`) is opened with Pillow from its bytes; the first frame is decoded and converted with
+    `allow_urls`) is opened with Pillow from its bytes; numpy arrays and torch tensors become PIL
+    images by :func:`array_to_image`; the first frame is decoded and converted with
     `convert("RGB")`: alpha is dropped without compositing, I;16 / F are clipped to [0, 255] by
     Pillow, CMYK uses Pillow's plain conversion. A PIL image is converted as given (its current frame).
 

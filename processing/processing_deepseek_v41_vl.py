@@ -270,7 +270,10 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
         subfolder = kwargs.pop("subfolder", "")
         config = processor_dict.get("image_processor")
         if isinstance(config, dict):
-            image_processor = DeepseekV41ImageProcessor.from_dict(config)
+            # `from_pretrained(dir, max_image_tokens=16)`: settings given override the saved ones
+            settings = inspect.signature(DeepseekV41ImageProcessor.__init__).parameters
+            overrides = {key: kwargs[key] for key in kwargs if key in settings and key != "self"}
+            image_processor = DeepseekV41ImageProcessor.from_dict({**config, **overrides})
         else:
             image_processor = DeepseekV41ImageProcessor.from_pretrained(
                 pretrained_model_name_or_path, subfolder=subfolder, **kwargs

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
+
 import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
@@ -199,3 +201,50 @@ def test_right_padded_training_batch_with_labels(model, processor):
     assert not torch.equal(out.logits[1, len(rows[1]) :], changed.logits[1, len(rows[1]) :])
     with pytest.raises(DeepseekV41AttentionError, match="only left padding"):
         model(input_ids=ids, attention_mask=mask, use_cache=True)  # a cache would record the pads
+
+
+def test_a_left_padded_row_never_scores_a_token_from_a_pad(model, processor):
+    batch = processor(text=["<｜begin▁of▁sentence｜>a longer training example", "<｜begin▁of▁sentence｜>short"], return_tensors="pt")
+    mask = batch["attention_mask"]
+    assert mask[1, 0] == 0  # left padding, the generation convention
+    ids = batch["input_ids"]
+    first_real = mask.argmax(-1)
+    by_hand = ids.masked_fill(mask == 0, -100)
+    by_hand[1, first_real[1]] = -100  # predicted from the last pad
+    with torch.no_grad():
+        loss = model(**batch, labels=ids).loss
+        want = model(**batch, labels=by_hand).loss
+    assert torch.equal(loss, want)
+
+
+def test_processor_takes_numpy_arrays_and_torch_tensors(processor):
+    from PIL import Image
+
+    from deepseek_v41_vl.processing.errors_deepseek_v41_vl import DeepseekV41ImageError
+
+    photo = Image.open(bundled_photo()).convert("RGB")
+    hwc = np.asarray(photo)
+    want = processor(images=[photo], text=SHORT, return_tensors="pt")
+    for image in (hwc, hwc.transpose(2, 0, 1), hwc.astype(np.float32) / 255, torch.from_numpy(hwc.transpose(2, 0, 1).copy())):
+        got = processor(images=[image], text=SHORT, return_tensors="pt")
+        assert torch.equal(got["pixel_values"], want["pixel_values"])
+        assert torch.equal(got["image_grid_thw"], want["image_grid_thw"])
+    gray = np.asarray(photo.convert("L"))
+    assert torch.equal(
+        processor(images=[gray], text=SHORT, return_tensors="pt")["pixel_values"],
+        processor(images=[photo.convert("L")], text=SHORT, return_tensors="pt")["pixel_values"],
+    )
+    bad = [(hwc.astype(np.float32), "finite values in \\[0, 1\\]"), (hwc.astype(np.int32), "uint8 or float"),
+           (hwc[..., :2], "channel axis"), (hwc[None], "must be \\[H, W\\]")]
+    for image, message in bad:
+        with pytest.raises(DeepseekV41ImageError, match=message):
+            processor(images=[image], text=SHORT, return_tensors="pt")
+
+
+def test_from_pretrained_image_settings_override_the_saved_ones(converted_tiny_fp8, photos):
+    saved = AutoProcessor.from_pretrained(converted_tiny_fp8)
+    small = AutoProcessor.from_pretrained(converted_tiny_fp8, max_image_tokens=16)
+    assert small.image_processor.max_image_tokens == 16 != saved.image_processor.max_image_tokens
+    grid = small(images=[photos[0]], text=SHORT, return_tensors="pt")["image_grid_thw"][0]
+    # at most 16 aligner rows, each from ratio x ratio ViT patches
+    assert int(grid.prod()) <= 16 * small.image_processor.downsample_ratio**2
