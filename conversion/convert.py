@@ -271,6 +271,12 @@ def _write_tokenizer(tmp: Path, source: SourceCheckpoint, config: DeepseekV41Con
         }
     # what the pipeline and `transformers serve` split a generated turn with
     data.setdefault("response_template", RESPONSE_TEMPLATE)
+    # `tokenizer.image_token` / `image_token_id`, as transformers' VLM tokenizers have them
+    from tokenizers import Tokenizer
+
+    image_token = Tokenizer.from_file(str(source.tokenizer_file)).id_to_token(config.image_token_id)
+    if image_token is not None and not data.get("extra_special_tokens"):
+        data["extra_special_tokens"] = {"image_token": image_token}
     (tmp / "tokenizer_config.json").write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 

@@ -27,6 +27,7 @@ import inspect
 import numbers
 import re
 import uuid
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Sequence
@@ -69,7 +70,11 @@ _CALL_OPTIONS = {
     "return_mm_token_type_ids",
     "images_kwargs",
     "allow_urls",
+    "truncation",
+    "max_length",
 }
+# transformers' structured form: `text_kwargs={...}` / `common_kwargs={...}` hold call options too
+_GROUPED_OPTIONS = ("text_kwargs", "common_kwargs")
 _FLAG_OPTIONS = ("add_special_tokens", "return_attention_mask", "return_mm_token_type_ids", "allow_urls")
 # Image-processor settings that fix the span geometry (patch grid -> token grid). The model's
 # aligner merges patches with the config's ratio, so a per-call value would build spans the model
@@ -115,11 +120,26 @@ def image_token_roles(
     return _image_token_roles(mm_token_type_ids, image_grid_thw, downsample_ratio, error=DeepseekV41ProcessorError)
 
 
-def _check_call_options(kwargs: dict[str, Any]) -> None:
-    """Refuse unknown `__call__` options and values of the wrong type (see `__call__`)."""
-    unknown = sorted(key for key, value in kwargs.items() if key not in _CALL_OPTIONS and value is not None)
+def _call_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`__call__` options with the grouped forms flattened (a top-level option wins), unknown ones
+    dropped with a warning (as transformers' processors do), and the values checked."""
+    options: dict[str, Any] = {}
+    for group in _GROUPED_OPTIONS:
+        values = kwargs.get(group)
+        if values is not None and not isinstance(values, Mapping):
+            raise DeepseekV41ProcessorError(f"{group} must be a dict, got {type(values).__name__}")
+        options.update(values or {})
+    options.update({key: value for key, value in kwargs.items() if key not in _GROUPED_OPTIONS})
+    unknown = sorted(key for key, value in options.items() if key not in _CALL_OPTIONS and value is not None)
     if unknown:
-        raise DeepseekV41ProcessorError(f"unsupported processor options: {unknown}")
+        warnings.warn(f"DeepseekV41Processor ignores the options {unknown}", UserWarning, stacklevel=3)
+    options = {key: value for key, value in options.items() if key in _CALL_OPTIONS}
+    _check_call_options(options)
+    return options
+
+
+def _check_call_options(kwargs: dict[str, Any]) -> None:
+    """Refuse `__call__` option values of the wrong type (see `__call__`)."""
     for name in _FLAG_OPTIONS:
         if kwargs.get(name) is not None and not isinstance(kwargs[name], bool):
             raise DeepseekV41ProcessorError(f"{name} must be True or False, got {kwargs[name]!r}")
@@ -128,6 +148,11 @@ def _check_call_options(kwargs: dict[str, Any]) -> None:
         isinstance(multiple, bool) or not isinstance(multiple, numbers.Integral) or multiple <= 0
     ):
         raise DeepseekV41ProcessorError(f"pad_to_multiple_of must be None or a positive integer, got {multiple!r}")
+    if kwargs.get("truncation") not in (None, True, False, "longest_first", "only_first", "do_not_truncate"):
+        raise DeepseekV41ProcessorError(f"truncation must be True/'longest_first' or False, got {kwargs['truncation']!r}")
+    max_length = kwargs.get("max_length")
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral) or max_length <= 0):
+        raise DeepseekV41ProcessorError(f"max_length must be None or a positive integer, got {max_length!r}")
     if kwargs.get("return_tensors", "pt") not in (None, "pt", "np"):
         raise DeepseekV41ProcessorError(f"return_tensors must be 'pt', 'np' or None, got {kwargs['return_tensors']!r}")
     images_kwargs = kwargs.get("images_kwargs")
@@ -302,7 +327,12 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
             add_special_tokens (`bool`, defaults to True): add the tokenizer's special tokens once
                 per prompt (none for the DeepSeek tokenizer).
             return_tensors (`str`, defaults to "pt"): "pt", "np" or None (lists).
-            padding (`bool` or "longest", defaults to True): pad to the longest prompt.
+            padding (`bool`, "longest" or "max_length", defaults to True): pad to the longest
+                prompt, or to `max_length`.
+            truncation (`bool`), max_length (`int`): cut longer prompts to `max_length` on the
+                tokenizer's `truncation_side`; a cut that would reach an image span is refused.
+            text_kwargs / common_kwargs (`dict`): transformers' grouped form of these options.
+                Unknown options are ignored with a warning, as transformers' processors do.
             padding_side (`str`, *optional*): "left" or "right"; defaults to `self.padding_side`.
             pad_to_multiple_of (`int`, *optional*): a positive int; padded length is rounded up to it.
             return_attention_mask, return_mm_token_type_ids (`bool`, default True).
@@ -318,15 +348,16 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
         Raises:
             DeepseekV41ProcessorError: placeholder count != image count ("Found N image tokens but
                 got M images"), the tokenizer's own spelling of the image id in the text, text that
-                is not a string or list of strings, bad options (unknown; a flag that is not a
-                bool; pad_to_multiple_of not a positive int; return_tensors not "pt"/"np"/None;
+                is not a string or list of strings, bad options (a flag that is not a bool;
+                pad_to_multiple_of or max_length not a positive int; return_tensors not "pt"/"np"/None;
+                a truncation that would cut an image span;
                 images_kwargs not a dict or setting patch_size / downsample_ratio), unequal lengths
                 without padding.
             DeepseekV41ImageError (and the other image-processor errors): an image cannot be used.
         """
         if videos is not None or audio is not None:
             raise DeepseekV41ProcessorError("DeepSeek-V4.1 takes text and images only (no videos, no audio)")
-        _check_call_options(kwargs)
+        kwargs = _call_options(kwargs)
         return_tensors = kwargs.get("return_tensors", "pt")
         images_kwargs = dict(kwargs.get("images_kwargs") or {})
         if kwargs.get("allow_urls") is not None:
@@ -386,6 +417,7 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
             sequences.append(ids)
             mm_types.append(types)
 
+        self._truncate(sequences, mm_types, kwargs)
         data = self._pad(sequences, mm_types, kwargs)
         data.update(image_inputs)
         return BatchFeature(data=data, tensor_type=return_tensors)
@@ -428,17 +460,46 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
                 return full[:start], full[start + len(plain) :]
         raise DeepseekV41ProcessorError("cannot locate the special tokens the tokenizer adds around a text")
 
+    def _truncate(self, sequences: list[list[int]], mm_types: list[list[int]], kwargs: dict) -> None:
+        """Cut prompts longer than `max_length` on the tokenizer's truncation side, never inside
+        or through an image span (refused: the span and its pixels belong together)."""
+        if kwargs.get("truncation") in (None, False, "do_not_truncate"):
+            return
+        limit = kwargs.get("max_length")
+        if limit is None:
+            raise DeepseekV41ProcessorError("truncation needs max_length")
+        from_left = getattr(self.tokenizer, "truncation_side", "right") == "left"
+        for sample, (ids, types) in enumerate(zip(sequences, mm_types)):
+            if len(ids) <= limit:
+                continue
+            dropped = types[: len(ids) - limit] if from_left else types[limit:]
+            if any(dropped):
+                raise DeepseekV41ProcessorError(
+                    f"prompt {sample} has {len(ids)} tokens; truncating it to max_length={limit} would cut an image "
+                    "span: raise max_length or give fewer images"
+                )
+            keep = slice(len(ids) - limit, None) if from_left else slice(None, limit)
+            sequences[sample], mm_types[sample] = ids[keep], types[keep]
+
     def _pad(self, sequences: list[list[int]], mm_types: list[list[int]], kwargs: dict) -> dict[str, Any]:
         padding = kwargs.get("padding", True)
         side = kwargs.get("padding_side") or self.padding_side
         if side not in ("left", "right"):
             raise DeepseekV41ProcessorError(f"padding_side must be 'left' or 'right', got {side!r}")
-        if padding not in (True, False, "longest", "do_not_pad"):
-            raise DeepseekV41ProcessorError(f"padding must be True/'longest' or False, got {padding!r}")
+        if padding not in (True, False, "longest", "max_length", "do_not_pad"):
+            raise DeepseekV41ProcessorError(f"padding must be True/'longest', 'max_length' or False, got {padding!r}")
         lengths = [len(ids) for ids in sequences]
         masks = [[1] * n for n in lengths]
-        if padding in (True, "longest"):
-            target = max(lengths)
+        if padding == "max_length":
+            target = kwargs.get("max_length")
+            if target is None:
+                raise DeepseekV41ProcessorError("padding='max_length' needs max_length")
+            if max(lengths) > target:
+                raise DeepseekV41ProcessorError(
+                    f"a prompt has {max(lengths)} tokens, more than max_length={target}; pass truncation=True to cut text"
+                )
+        if padding in (True, "longest", "max_length"):
+            target = max(lengths) if padding != "max_length" else target
             multiple = kwargs.get("pad_to_multiple_of")
             if multiple is not None:
                 target = -(-target // int(multiple)) * int(multiple)

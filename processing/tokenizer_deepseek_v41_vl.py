@@ -100,6 +100,7 @@ def load_deepseek_v41_tokenizer(
         model_max_length=1048576,  # the package's tokenizer_config.json
         clean_up_tokenization_spaces=False,
         response_template=copy.deepcopy(RESPONSE_TEMPLATE),
+        extra_special_tokens={"image_token": image_token},  # tokenizer.image_token / image_token_id
     )
     if fast.convert_tokens_to_ids(image_token) != IMAGE_TOKEN_ID:
         raise DeepseekV41ProcessingError(f"{image_token!r} does not map to id {IMAGE_TOKEN_ID} after the respelling")

@@ -248,3 +248,38 @@ def test_from_pretrained_image_settings_override_the_saved_ones(converted_tiny_f
     grid = small(images=[photos[0]], text=SHORT, return_tensors="pt")["image_grid_thw"][0]
     # at most 16 aligner rows, each from ratio x ratio ViT patches
     assert int(grid.prod()) <= 16 * small.image_processor.downsample_ratio**2
+
+
+def test_processor_padding_truncation_and_grouped_kwargs(processor, photos):
+    from deepseek_v41_vl.processing.errors_deepseek_v41_vl import DeepseekV41ProcessorError
+
+    short, long = "<｜begin▁of▁sentence｜>hi", "<｜begin▁of▁sentence｜>a rather longer prompt than that"
+    n_long = len(processor(text=long, return_tensors="pt")["input_ids"][0])
+    padded = processor(text=[short, long], padding="max_length", max_length=n_long + 3, return_tensors="pt")
+    assert padded["input_ids"].shape == (2, n_long + 3) and int(padded["attention_mask"][1].sum()) == n_long
+    cut = processor(text=[long], truncation=True, max_length=4, return_tensors="pt")
+    assert torch.equal(cut["input_ids"], processor(text=[long], return_tensors="pt")["input_ids"][:, :4])
+    grouped = processor(text=[long], text_kwargs={"truncation": True, "max_length": 4}, return_tensors="pt")
+    assert torch.equal(grouped["input_ids"], cut["input_ids"])
+    with pytest.raises(DeepseekV41ProcessorError, match="more than max_length"):
+        processor(text=[long], padding="max_length", max_length=4, return_tensors="pt")
+    # an image span is never cut: the prompt with its image is refused, not silently broken
+    with pytest.raises(DeepseekV41ProcessorError, match="would cut an image span"):
+        processor(images=[photos[1]], text=SHORT, truncation=True, max_length=10, return_tensors="pt")
+    whole = processor(images=[photos[1]], text=SHORT + " trailing words to cut", return_tensors="pt")
+    n_span_end = int(whole["mm_token_type_ids"][0].nonzero().max()) + 1
+    kept = processor(images=[photos[1]], text=SHORT + " trailing words to cut", truncation=True, max_length=n_span_end + 1, return_tensors="pt")
+    assert torch.equal(kept["input_ids"], whole["input_ids"][:, : n_span_end + 1])
+    with pytest.warns(UserWarning, match="ignores the options"):
+        processor(text=[short], not_an_option=3, return_tensors="pt")
+
+
+def test_tokenizers_name_the_image_token(converted_tiny_fp8, model):
+    from transformers import AutoTokenizer
+
+    from deepseek_v41_vl.processing.tokenizer_deepseek_v41_vl import IMAGE_TOKEN_ID, V41_IMAGE_TOKEN, load_deepseek_v41_tokenizer
+
+    real = load_deepseek_v41_tokenizer()
+    assert (real.image_token, real.image_token_id) == (V41_IMAGE_TOKEN, IMAGE_TOKEN_ID)
+    folder = AutoTokenizer.from_pretrained(converted_tiny_fp8)
+    assert folder.image_token_id == model.config.image_token_id

@@ -229,9 +229,9 @@ def test_roles_helper_matches_the_reference_layout():
         image_token_roles([1] * 4, None)
 
 
-def test_unknown_options_and_inputs_are_refused(processor):
-    with pytest.raises(DeepseekV41ProcessorError, match="truncation"):
-        processor(text="hi", truncation=True)
+def test_unknown_options_warn_and_bad_inputs_are_refused(processor):
+    with pytest.warns(UserWarning, match=r"ignores the options \['foo'\]"):
+        processor(text="hi", foo=1)
     with pytest.raises(DeepseekV41ProcessorError, match="videos"):
         processor(text="hi", videos=[object()])
     with pytest.raises(DeepseekV41ProcessorError):
