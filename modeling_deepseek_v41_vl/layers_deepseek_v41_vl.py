@@ -47,19 +47,58 @@ class DeepseekV41RMSNorm(nn.Module):
         return (self.weight * x).to(dtype)
 
 
-class DeepseekV41Head(nn.Module):
+class DeepseekV41Head(nn.Linear):
     """Output projection, held and computed in fp32 (the checkpoint stores bf16). Untied.
 
     Mirrors `inference/model.py: ParallelHead` (one shard). Parameter: ``weight`` fp32 ``[V, D]``.
+    An `nn.Linear` without bias, so transformers' `resize_token_embeddings` can resize it.
     """
 
     def __init__(self, vocab_size: int, hidden_size: int):
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: it would initialise the weight
+        self.in_features, self.out_features = hidden_size, vocab_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=torch.float32))
+        self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "DeepseekV41Head":
+        """A head holding `linear`'s weight (made fp32); it must have no bias."""
+        if linear.bias is not None:
+            raise ValueError("the DeepSeek-V4.1 head has no bias")
+        head = cls.__new__(cls)
+        nn.Module.__init__(head)
+        head.out_features, head.in_features = linear.weight.shape
+        head.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=linear.weight.requires_grad)
+        head.register_parameter("bias", None)
+        return head
+
+    def reset_parameters(self) -> None:
+        """No-op: the weight comes from a checkpoint or `_init_weights`."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[..., D]`` (bf16) -> fp32 logits ``[..., V]``."""
         return F.linear(hidden_states.float(), self.weight)
+
+
+class DeepseekV41OutputEmbeddingsMixin:
+    """The head as transformers' output embeddings, and `resize_token_embeddings` with the fp32
+    head and the Engram token map kept (for a model whose `self.model` is the backbone)."""
+
+    def get_output_embeddings(self) -> DeepseekV41Head:
+        return self.model.head
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        # resize_token_embeddings hands back a plain nn.Linear: keep the fp32 head's forward
+        head = new_embeddings if isinstance(new_embeddings, DeepseekV41Head) else DeepseekV41Head.from_linear(new_embeddings)
+        self.model.head = head
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, *args, **kwargs) -> nn.Embedding:
+        """transformers' resize of the embedding and the head (kept fp32), plus the Engram token
+        map (`DeepseekV41EngramHash.resize`: new ids carry no n-gram signal)."""
+        embeddings = super().resize_token_embeddings(new_num_tokens, *args, **kwargs)
+        if self.model.engram_hash is not None:
+            self.model.engram_hash.resize(embeddings.num_embeddings)
+        return embeddings
 
 
 def on_device(device: torch.device):
@@ -83,4 +122,4 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-__all__ = ["DeepseekV41Head", "DeepseekV41RMSNorm", "default_dtype", "on_device"]
+__all__ = ["DeepseekV41Head", "DeepseekV41OutputEmbeddingsMixin", "DeepseekV41RMSNorm", "default_dtype", "on_device"]

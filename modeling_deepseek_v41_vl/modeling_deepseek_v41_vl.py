@@ -61,7 +61,7 @@ from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from .generation_deepseek_v41_vl import DeepseekV41GenerationMixin
 from .hyper_connection_deepseek_v41_vl import DeepseekV41HyperConnection, identity_pre_mix
 from .image_spans_deepseek_v41_vl import check_image_spans, image_span_length, llm_grid, parse_image_grid
-from .layers_deepseek_v41_vl import DeepseekV41Head, DeepseekV41RMSNorm, default_dtype
+from .layers_deepseek_v41_vl import DeepseekV41Head, DeepseekV41OutputEmbeddingsMixin, DeepseekV41RMSNorm, default_dtype
 from .loading_deepseek_v41_vl import DeepseekV41LoadingMixin
 from .moe_deepseek_v41_vl import DeepseekV41Gate
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, apply_numerics
@@ -647,7 +647,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         return output if self._returns_dict(return_dict) else output.to_tuple()
 
 
-class DeepseekV41ForConditionalGeneration(DeepseekV41PreTrainedModel, DeepseekV41GenerationMixin):
+class DeepseekV41ForConditionalGeneration(DeepseekV41OutputEmbeddingsMixin, DeepseekV41PreTrainedModel, DeepseekV41GenerationMixin):
     """DeepSeek-V4.1-Flash with image input, for `generate`, `AutoModelForImageTextToText` and the
     ``image-text-to-text`` pipeline. Mirrors `inference/model.py: Transformer` + `generate.py`.
 
@@ -667,8 +667,6 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41PreTrainedModel, DeepseekV4
         self.post_init()
         self._suppress_image_token()
 
-    def get_output_embeddings(self) -> DeepseekV41Head:
-        return self.model.head
 
     def forward(
         self,

@@ -85,7 +85,10 @@ class DeepseekV41RotaryEmbedding(nn.Module):
             "original_max_position_embeddings": int(scaling.get("original_max_position_embeddings", 0)),
         }
         # A plain attribute, not a buffer: `model.to(torch.bfloat16)` must not round the frequencies.
-        self.inv_freq = rope_inv_frequencies(rope_dim, base, **self.yarn)
+        # Always computed on the host, so a model built on the meta device (then `to_empty`) has
+        # real frequencies; each device gets its own copy on first use.
+        with torch.device("cpu"):
+            self.inv_freq = rope_inv_frequencies(rope_dim, base, **self.yarn)
 
     @classmethod
     def for_layer(cls, config, layer_id: int) -> "DeepseekV41RotaryEmbedding":

@@ -283,3 +283,37 @@ def test_tokenizers_name_the_image_token(converted_tiny_fp8, model):
     assert (real.image_token, real.image_token_id) == (V41_IMAGE_TOKEN, IMAGE_TOKEN_ID)
     folder = AutoTokenizer.from_pretrained(converted_tiny_fp8)
     assert folder.image_token_id == model.config.image_token_id
+
+
+def test_rope_tables_of_a_meta_built_model_are_real(model):
+    from deepseek_v41_vl.modeling.rope_deepseek_v41_vl import DeepseekV41RotaryEmbedding
+
+    text = model.config.text_config
+    with torch.device("meta"):
+        meta_built = [DeepseekV41RotaryEmbedding.for_layer(text, i) for i in range(text.num_hidden_layers)]
+    positions = torch.arange(40)
+    for i, rope in enumerate(meta_built):
+        assert not rope.inv_freq.is_meta
+        assert torch.equal(rope.to_empty(device="cpu")(positions), DeepseekV41RotaryEmbedding.for_layer(text, i)(positions))
+
+
+def test_resize_token_embeddings_keeps_the_fp32_head_and_the_engram_map(converted_tiny_fp8):
+    model = AutoModelForImageTextToText.from_pretrained(converted_tiny_fp8, numerics="exact")
+    old_vocab = model.config.text_config.vocab_size
+    ids = torch.tensor([[0, 11, 7, 42]])
+    with torch.no_grad():
+        before = model(ids, use_cache=False).logits
+    old_map = model.model.engram_hash.token_map.clone()
+    embeddings = model.resize_token_embeddings(old_vocab + 8, mean_resizing=False)
+    head = model.get_output_embeddings()
+    assert embeddings.weight.shape[0] == old_vocab + 8 and embeddings.weight.dtype == torch.bfloat16
+    assert head.weight.shape[0] == old_vocab + 8 and head.weight.dtype == torch.float32
+    assert model.config.text_config.vocab_size == old_vocab + 8
+    hash_map = model.model.engram_hash.token_map
+    assert torch.equal(hash_map[:old_vocab], old_map)
+    assert bool((hash_map[old_vocab:] == model.model.engram_hash.pad_id).all())  # no n-gram signal yet
+    with torch.no_grad():
+        after = model(torch.cat([ids, torch.tensor([[old_vocab + 3]])], dim=1), use_cache=False).logits
+    assert torch.equal(after[:, :4, :old_vocab], before)  # the old tokens compute what they computed
+    model.resize_token_embeddings(old_vocab)
+    assert model.model.engram_hash.token_map.shape == (old_vocab,)
