@@ -564,6 +564,18 @@ def _refuse_a_random_vision_tower(model: nn.Module, info: dict, path) -> None:
         )
 
 
+def _fill_quantized_storage(model: nn.Module, std: float) -> None:
+    for module in model.modules():
+        weight, scale = getattr(module, "weight", None), getattr(module, "scale", None)
+        if weight is None or scale is None or weight.dtype not in (torch.float8_e4m3fn, torch.float4_e2m1fn_x2):
+            continue
+        if weight.dtype == torch.float8_e4m3fn:
+            weight.copy_(torch.randn(weight.shape, device=weight.device).to(weight.dtype))
+        else:  # every e2m1 code is finite
+            weight.view(torch.uint8).copy_(torch.randint(0, 256, weight.shape, dtype=torch.uint8, device=weight.device))
+        scale.copy_(torch.full(scale.shape, std, device=scale.device).to(scale.dtype))
+
+
 class DeepseekV41LoadingMixin:
     """The loading and saving of the DeepSeek-V4.1 transformers classes (mixed in before
     `PreTrainedModel`): `from_pretrained` with ``engram_device`` and ``--link`` folders, the
@@ -593,8 +605,7 @@ class DeepseekV41LoadingMixin:
     def from_pretrained(cls, *args, **kwargs):
         """`PreTrainedModel.from_pretrained`; ``dtype`` "auto" (the default) means bfloat16, the
         compute dtype. It never changes a stored tensor: every parameter keeps its module dtype.
-        ``dtype=torch.float32`` then casts the vision tower and aligner to fp32 for fine-tuning
-        (:meth:`set_vision_dtype`); the quantized storage and the language model stay as stored.
+        ``dtype=torch.float32`` makes the vision tower and aligner fp32 (:meth:`set_vision_dtype`).
         ``numerics="exact"`` sets `config.text_config.numerics` (bitwise the reference on CPU).
         A local ``convert --link`` folder (index ``metadata.layout == "official"``) is then filled
         through the load-time transform (:meth:`_load_official_layout`).
@@ -649,10 +660,9 @@ class DeepseekV41LoadingMixin:
 
     def set_vision_dtype(self, dtype: torch.dtype = torch.float32):
         """Cast the vision tower and the aligner (the parts people fine-tune) to `dtype`; returns
-        the model. Their forward follows their weights' dtype and the aligner rows are cast to
-        the language model's bf16 where they are merged, so the rest is unchanged. In fp32 an
-        AdamW step moves every element even at small learning rates (bf16 rounds most updates
-        of ~1e-5 relative size away). `from_pretrained(..., dtype=torch.float32)` calls it.
+        the model. Their forward follows their weights' dtype; the aligner rows meet the language
+        model in bf16, as before. In fp32 small AdamW steps are not rounded away (bf16 loses most
+        updates near 1e-5 relative size). `from_pretrained(..., dtype=torch.float32)` calls it.
 
         Raises:
             DeepseekV41ModelError: the model has no vision tower, or `dtype` is not a float dtype.
@@ -664,6 +674,20 @@ class DeepseekV41LoadingMixin:
         self.model.vision.to(dtype)
         self.model.aligner.to(dtype)
         return self
+
+    def init_weights(self) -> None:
+        """`PreTrainedModel.init_weights` (`Model(config)`; `from_pretrained` disables it), then
+        what `_init_weights` leaves to a checkpoint: random fp8 / fp4 codes, e8m0 scales near
+        `initializer_range`, the identity modulo the compressed vocabulary as Engram token map."""
+        super().init_weights()
+        if any(p.is_meta for p in self.parameters()):
+            return
+        with torch.no_grad():
+            _fill_quantized_storage(self, self.config.text_config.initializer_range)
+            hasher = self.model.engram_hash
+            if hasher is not None and int(hasher.token_map.min()) < 0:
+                ids = torch.arange(hasher.token_map.numel(), device=hasher.token_map.device)
+                hasher.set_token_map(ids % hasher.layout.compressed_vocab_size)
 
     @classmethod
     def _empty_for_device_map(cls, path, kwargs: dict) -> nn.Module:

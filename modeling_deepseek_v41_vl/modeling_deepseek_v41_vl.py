@@ -490,9 +490,10 @@ class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         """Fresh values for parameters a checkpoint did not provide (and for `Model(config)`).
 
-        Quantized storage (fp8 / fp4 weights, e8m0 scales, the fp8 Engram tables) is never touched:
-        it only comes from a checkpoint. A missing Engram token map is set to -1, which the model
-        refuses with a clear error instead of hashing with garbage.
+        Quantized storage (fp8 / fp4 weights, e8m0 scales, the fp8 Engram tables) is not touched
+        here: a checkpoint provides it (`Model(config)` gets random codes from `init_weights`). A
+        token map missing from a checkpoint is set to -1, which the model refuses with a clear
+        error instead of hashing with garbage.
         """
         std = self.config.text_config.initializer_range
         if isinstance(module, DeepseekV41Linear):

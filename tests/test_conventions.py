@@ -317,3 +317,24 @@ def test_resize_token_embeddings_keeps_the_fp32_head_and_the_engram_map(converte
     assert torch.equal(after[:, :4, :old_vocab], before)  # the old tokens compute what they computed
     model.resize_token_embeddings(old_vocab)
     assert model.model.engram_hash.token_map.shape == (old_vocab,)
+
+
+def test_a_model_built_from_its_config_runs(golden, processor):
+    # random init with Engram and fp8 / fp4 storage: a valid token map and finite quantized
+    # storage, never uninitialised memory
+    from golden_models import golden_config
+
+    config = golden_config(golden, "model_tiny_fp8")
+    torch.manual_seed(0)
+    model = DeepseekV41ForConditionalGeneration(config).eval()
+    hasher = model.model.engram_hash
+    assert torch.equal(hasher.token_map, torch.arange(hasher.token_map.numel()) % hasher.layout.compressed_vocab_size)
+    fp8 = [p for p in model.parameters() if p.dtype == torch.float8_e4m3fn]
+    scales = [p for p in model.parameters() if p.dtype == torch.float8_e8m0fnu]
+    assert fp8 and all(bool(torch.isfinite(p.float()).all()) for p in fp8)
+    assert scales and all(bool((p.float() == 2.0**-6).all()) for p in scales)  # the power of two nearest 0.02
+    assert any(p.dtype == torch.float4_e2m1fn_x2 for p in model.parameters())
+    inputs = processor(text=["<｜begin▁of▁sentence｜>hello there"], return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs, use_cache=False).logits
+    assert torch.isfinite(logits).all() and logits.std() > 0
