@@ -574,6 +574,17 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
             setattr(self, name, value)
 
     @classmethod
+    def from_dict(cls, image_processor_dict: dict[str, Any], **kwargs):
+        """A saved config, as `BaseImageProcessor.from_dict`; keys this version does not know (a
+        config written by a newer one) are dropped with a warning instead of refused. Keyword
+        arguments are still checked: a typo there is an error."""
+        known = set(_SETTINGS) | set(_SAVED_FILE_KEYS) | {"image_processor_type"}
+        extra = sorted(set(image_processor_dict) - known)
+        if extra:
+            warnings.warn(f"DeepseekV41ImageProcessor ignores the saved settings {extra}", UserWarning, stacklevel=2)
+        return super().from_dict({k: v for k, v in image_processor_dict.items() if k in known}, **kwargs)
+
+    @classmethod
     def from_vision_config(cls, vision_config, **kwargs) -> DeepseekV41ImageProcessor:
         """Image processor with the settings of a `DeepseekV41VisionConfig` (or anything with its
         fields patch_size, downsample_ratio, max_image_tokens, min_pixels, max_wh_ratio).

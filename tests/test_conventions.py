@@ -338,3 +338,26 @@ def test_a_model_built_from_its_config_runs(golden, processor):
     with torch.no_grad():
         logits = model(**inputs, use_cache=False).logits
     assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_a_saved_config_with_extra_keys_loads_with_a_warning(converted_tiny_fp8, tmp_path):
+    import json
+    import shutil
+
+    from deepseek_v41_vl.processing.errors_deepseek_v41_vl import DeepseekV41ProcessingError
+    from deepseek_v41_vl.processing.image_processing_deepseek_v41_vl import DeepseekV41ImageProcessor
+
+    folder = tmp_path / "newer"
+    shutil.copytree(converted_tiny_fp8, folder, symlinks=True)
+    for name, where in (("processor_config.json", ("image_processor",)), ("preprocessor_config.json", ())):
+        data = json.loads((folder / name).read_text(encoding="utf-8"))
+        target = data[where[0]] if where else data
+        target["a_setting_of_a_newer_version"] = 3
+        (folder / name).write_text(json.dumps(data), encoding="utf-8")
+    with pytest.warns(UserWarning, match="a_setting_of_a_newer_version"):
+        processor = AutoProcessor.from_pretrained(folder)
+    assert processor.image_processor.max_image_tokens == AutoProcessor.from_pretrained(converted_tiny_fp8).image_processor.max_image_tokens
+    with pytest.warns(UserWarning, match="a_setting_of_a_newer_version"):
+        DeepseekV41ImageProcessor.from_pretrained(folder)
+    with pytest.raises(DeepseekV41ProcessingError, match="unknown DeepseekV41ImageProcessor arguments"):
+        DeepseekV41ImageProcessor(max_image_tokenz=16)  # a typo in code is still an error
