@@ -363,7 +363,10 @@ class DeepseekV41Indexer(nn.Module):
         elif self.uses_candidates:
             scores = scores.masked_fill(~self._candidate_mask(state, rows, n_keys, batch), -torch.inf)
 
-        picked = scores.topk(min(k, n_keys), dim=-1, sorted=False).indices
+        if self.numerics.exact:
+            picked = scores.topk(min(k, n_keys), dim=-1, sorted=False).indices
+        else:
+            picked = _topk_ties_by_position(scores, min(k, n_keys))
         if not one_step or self.numerics.exact:
             # ascending positions: the reference's order, in which the attention adds them up; a fast
             # decode step skips the sort (a radix sort of the k ids is the step's costliest kernel
@@ -375,6 +378,28 @@ class DeepseekV41Indexer(nn.Module):
         if state.record_index_scores and n_keys < index_k.size(1):
             scores = F.pad(scores, (0, index_k.size(1) - n_keys), value=-torch.inf)
         return idxs, (scores if state.record_index_scores else None), candidates
+
+
+def _topk_ties_by_position(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the `k` largest scores along the last dim, ties going to the lower position.
+
+    `torch.topk` breaks ties (the relu makes many scores exactly 0) in an order that depends on
+    the width it ranks, so a left-padded row ranked at a batch's width could pick other positions
+    than alone. Ranking (score, -position) instead makes the choice the row's own: the positions
+    past its visible ones are -inf and never outrank a visible one.
+    """
+    if k == 0:
+        return scores.new_empty(*scores.shape[:-1], 0, dtype=torch.long)
+    kth = scores.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    above = scores > kth
+    tied = scores == kth
+    # every score above the k-th, then as many tied at the k-th as fit, in ascending position
+    keep = above | (tied & (torch.cumsum(tied, dim=-1) <= k - above.sum(dim=-1, keepdim=True)))
+    # exactly k kept per query: a second top-k over (kept, -position) returns them without a
+    # host sync (no nonzero), so CUDA graphs can still capture the step
+    width = scores.size(-1)
+    key = keep.to(torch.int32) * width - torch.arange(width, device=scores.device, dtype=torch.int32)
+    return key.topk(k, dim=-1, sorted=False).indices
 
 
 __all__ = [

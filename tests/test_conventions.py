@@ -361,3 +361,25 @@ def test_a_saved_config_with_extra_keys_loads_with_a_warning(converted_tiny_fp8,
         DeepseekV41ImageProcessor.from_pretrained(folder)
     with pytest.raises(DeepseekV41ProcessingError, match="unknown DeepseekV41ImageProcessor arguments"):
         DeepseekV41ImageProcessor(max_image_tokenz=16)  # a typo in code is still an error
+
+
+@pytest.mark.parametrize("variant", ["model_tiny_fp8", "model_tiny_bf16"])
+def test_fast_numerics_padded_row_picks_what_it_picks_next_to_other_padding(golden, variant):
+    # the indexer's top-k ties (the relu makes many index scores exactly 0) went by the width the
+    # batch ranks, which a longer row in the batch widens: now ties go to the lower position
+    from golden_models import golden_model
+    from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
+
+    model = golden_model(golden, variant, "fast")
+    torch.manual_seed(0)
+    long, short = torch.randint(3, 500, (1, 40)), torch.randint(3, 500, (1, 22))
+    padded = torch.cat([torch.full((1, 18), 2), short], dim=1)
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :18] = 0
+    with torch.no_grad():
+        beside_long = model(torch.cat([long, padded]), cache=DeepseekV41Cache(model.config), logits_to_keep=0, attention_mask=mask).logits
+        beside_padded = model(
+            torch.cat([padded, padded]), cache=DeepseekV41Cache(model.config), logits_to_keep=0,
+            attention_mask=torch.cat([mask[1:], mask[1:]]),
+        ).logits
+    assert torch.equal(beside_long[1], beside_padded[1])
