@@ -384,16 +384,24 @@ class DeepseekV41EngramHash(nn.Module):
         # checked once per load; the pad id is read here so forward never syncs for it
         self._pad_id = int(token_map[self.layout.pad_token_id])
 
+    def check_resize(self, vocab_size: int) -> None:
+        """Raise what :meth:`resize` would raise, changing nothing."""
+        if vocab_size <= self.layout.pad_token_id:
+            raise DeepseekV41EngramError(
+                f"cannot resize the vocabulary to {vocab_size}: it must keep engram_pad_token_id {self.layout.pad_token_id}"
+            )
+        self.pad_id  # the token map must be loaded (raises otherwise)
+
     def resize(self, vocab_size: int) -> None:
         """Follow a resized vocabulary: ids past the old end map to the compressed id of
         ``engram_pad_token_id`` (they carry no n-gram signal until :meth:`set_token_map` installs a
         map built from the new tokenizer); shrinking drops the ids past the new end.
 
         Raises:
-            DeepseekV41EngramError: the token map was never loaded, or `vocab_size` < 1.
+            DeepseekV41EngramError: the token map was never loaded, or `vocab_size` would drop
+                ``engram_pad_token_id``.
         """
-        if vocab_size < 1:
-            raise DeepseekV41EngramError(f"vocab_size must be positive, got {vocab_size}")
+        self.check_resize(vocab_size)
         old = self.token_map
         grown = torch.full((vocab_size,), self.pad_id, dtype=old.dtype, device=old.device)
         grown[: min(vocab_size, old.numel())] = old[:vocab_size]

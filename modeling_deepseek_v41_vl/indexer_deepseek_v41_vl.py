@@ -394,7 +394,7 @@ def _topk_ties_by_position(scores: torch.Tensor, k: int) -> torch.Tensor:
     above = scores > kth
     tied = scores == kth
     # every score above the k-th, then as many tied at the k-th as fit, in ascending position
-    keep = above | (tied & (torch.cumsum(tied, dim=-1) <= k - above.sum(dim=-1, keepdim=True)))
+    keep = above | (tied & (torch.cumsum(tied, dim=-1, dtype=torch.int32) <= k - above.sum(dim=-1, keepdim=True)))
     # exactly k kept per query: a second top-k over (kept, -position) returns them without a
     # host sync (no nonzero), so CUDA graphs can still capture the step
     width = scores.size(-1)

@@ -80,9 +80,9 @@ class DeepseekV41Head(nn.Linear):
         return F.linear(hidden_states.float(), self.weight)
 
 
-class DeepseekV41OutputEmbeddingsMixin:
-    """The head as transformers' output embeddings, and `resize_token_embeddings` with the fp32
-    head and the Engram token map kept (for a model whose `self.model` is the backbone)."""
+class DeepseekV41EmbeddingsMixin:
+    """The head as transformers' output embeddings (kept fp32), and `resize_token_embeddings`
+    with the Engram token map following, for a model whose `self.model` is the backbone."""
 
     def get_output_embeddings(self) -> DeepseekV41Head:
         return self.model.head
@@ -93,11 +93,15 @@ class DeepseekV41OutputEmbeddingsMixin:
         self.model.head = head
 
     def resize_token_embeddings(self, new_num_tokens: int | None = None, *args, **kwargs) -> nn.Embedding:
-        """transformers' resize of the embedding and the head (kept fp32), plus the Engram token
-        map (`DeepseekV41EngramHash.resize`: new ids carry no n-gram signal)."""
+        """transformers' resize (embedding, and the fp32 head where there is one), with the Engram
+        token map following (`DeepseekV41EngramHash.resize`: new ids carry no n-gram signal);
+        checked before anything changes."""
+        hasher = self.model.engram_hash
+        if hasher is not None and new_num_tokens is not None:
+            hasher.check_resize(new_num_tokens)
         embeddings = super().resize_token_embeddings(new_num_tokens, *args, **kwargs)
-        if self.model.engram_hash is not None:
-            self.model.engram_hash.resize(embeddings.num_embeddings)
+        if hasher is not None:
+            hasher.resize(embeddings.num_embeddings)
         return embeddings
 
 
@@ -122,4 +126,4 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-__all__ = ["DeepseekV41Head", "DeepseekV41OutputEmbeddingsMixin", "DeepseekV41RMSNorm", "default_dtype", "on_device"]
+__all__ = ["DeepseekV41Head", "DeepseekV41EmbeddingsMixin", "DeepseekV41RMSNorm", "default_dtype", "on_device"]

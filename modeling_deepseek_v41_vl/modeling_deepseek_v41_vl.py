@@ -61,7 +61,7 @@ from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from .generation_deepseek_v41_vl import DeepseekV41GenerationMixin
 from .hyper_connection_deepseek_v41_vl import DeepseekV41HyperConnection, identity_pre_mix
 from .image_spans_deepseek_v41_vl import check_image_spans, image_span_length, llm_grid, parse_image_grid
-from .layers_deepseek_v41_vl import DeepseekV41Head, DeepseekV41OutputEmbeddingsMixin, DeepseekV41RMSNorm, default_dtype
+from .layers_deepseek_v41_vl import DeepseekV41Head, DeepseekV41EmbeddingsMixin, DeepseekV41RMSNorm, default_dtype
 from .loading_deepseek_v41_vl import DeepseekV41LoadingMixin
 from .moe_deepseek_v41_vl import DeepseekV41Gate
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, apply_numerics
@@ -612,7 +612,7 @@ class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
         )
 
 
-class DeepseekV41Model(DeepseekV41PreTrainedModel):
+class DeepseekV41Model(DeepseekV41EmbeddingsMixin, DeepseekV41PreTrainedModel):
     """The backbone for `AutoModel`: returns the final normed hidden states (the head input).
 
     Forward args as :meth:`DeepseekV41ForConditionalGeneration.forward`; returns
@@ -648,7 +648,7 @@ class DeepseekV41Model(DeepseekV41PreTrainedModel):
         return output if self._returns_dict(return_dict) else output.to_tuple()
 
 
-class DeepseekV41ForConditionalGeneration(DeepseekV41OutputEmbeddingsMixin, DeepseekV41PreTrainedModel, DeepseekV41GenerationMixin):
+class DeepseekV41ForConditionalGeneration(DeepseekV41EmbeddingsMixin, DeepseekV41PreTrainedModel, DeepseekV41GenerationMixin):
     """DeepSeek-V4.1-Flash with image input, for `generate`, `AutoModelForImageTextToText` and the
     ``image-text-to-text`` pipeline. Mirrors `inference/model.py: Transformer` + `generate.py`.
 

@@ -75,6 +75,8 @@ _CALL_OPTIONS = {
 }
 # transformers' structured form: `text_kwargs={...}` / `common_kwargs={...}` hold call options too
 _GROUPED_OPTIONS = ("text_kwargs", "common_kwargs")
+# image-processor settings a caller may give at the top level (they go to `images_kwargs`)
+_IMAGE_SETTINGS = ("max_image_tokens", "min_pixels", "max_wh_ratio", "pad_color", "image_mean", "image_std", "max_image_pixels", "exif_orientation", "patch_size", "downsample_ratio")
 _FLAG_OPTIONS = ("add_special_tokens", "return_attention_mask", "return_mm_token_type_ids", "allow_urls")
 # Image-processor settings that fix the span geometry (patch grid -> token grid). The model's
 # aligner merges patches with the config's ratio, so a per-call value would build spans the model
@@ -121,15 +123,32 @@ def image_token_roles(
 
 
 def _call_options(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`__call__` options with the grouped forms flattened (a top-level option wins), unknown ones
-    dropped with a warning (as transformers' processors do), and the values checked."""
+    """`__call__` options with the grouped forms flattened (top level, then `text_kwargs`, then
+    `common_kwargs`, as transformers orders them), image-processor settings given at the top
+    level moved into `images_kwargs`, unknown ones dropped with a warning (as transformers'
+    processors do), and the values checked.
+
+    Raises:
+        DeepseekV41ProcessorError: `sanitize_control_tokens` (this processor cannot honour it, and
+            ignoring a safety option would fail open), a group that is not a dict, bad values.
+    """
     options: dict[str, Any] = {}
-    for group in _GROUPED_OPTIONS:
+    for group in reversed(_GROUPED_OPTIONS):  # common_kwargs first: text_kwargs, then the top level win
         values = kwargs.get(group)
         if values is not None and not isinstance(values, Mapping):
             raise DeepseekV41ProcessorError(f"{group} must be a dict, got {type(values).__name__}")
         options.update(values or {})
     options.update({key: value for key, value in kwargs.items() if key not in _GROUPED_OPTIONS})
+    if options.get("sanitize_control_tokens"):
+        raise DeepseekV41ProcessorError(
+            "sanitize_control_tokens is not supported by DeepseekV41Processor: control tokens in the messages "
+            "would be tokenized as they are"
+        )
+    options.pop("sanitize_control_tokens", None)
+    moved = {key: options.pop(key) for key in list(options) if key in _IMAGE_SETTINGS and key not in _CALL_OPTIONS}
+    if moved:
+        images = options.get("images_kwargs")
+        options["images_kwargs"] = {**moved, **(dict(images) if isinstance(images, Mapping) else {})}
     unknown = sorted(key for key, value in options.items() if key not in _CALL_OPTIONS and value is not None)
     if unknown:
         warnings.warn(f"DeepseekV41Processor ignores the options {unknown}", UserWarning, stacklevel=3)
@@ -465,9 +484,9 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
         or through an image span (refused: the span and its pixels belong together)."""
         if kwargs.get("truncation") in (None, False, "do_not_truncate"):
             return
-        limit = kwargs.get("max_length")
+        limit = kwargs.get("max_length") or getattr(self.tokenizer, "model_max_length", None)
         if limit is None:
-            raise DeepseekV41ProcessorError("truncation needs max_length")
+            raise DeepseekV41ProcessorError("truncation needs max_length (the tokenizer has no model_max_length)")
         from_left = getattr(self.tokenizer, "truncation_side", "right") == "left"
         for sample, (ids, types) in enumerate(zip(sequences, mm_types)):
             if len(ids) <= limit:

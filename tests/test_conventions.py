@@ -383,3 +383,31 @@ def test_fast_numerics_padded_row_picks_what_it_picks_next_to_other_padding(gold
             attention_mask=torch.cat([mask[1:], mask[1:]]),
         ).logits
     assert torch.equal(beside_long[1], beside_padded[1])
+
+
+def test_processor_routes_image_settings_and_refuses_what_it_cannot_honour(processor, photos):
+    from deepseek_v41_vl.processing.errors_deepseek_v41_vl import DeepseekV41ProcessorError
+
+    top = processor(images=[photos[0]], text=SHORT, max_image_tokens=16, return_tensors="pt")
+    grouped = processor(images=[photos[0]], text=SHORT, images_kwargs={"max_image_tokens": 16}, return_tensors="pt")
+    assert torch.equal(top["image_grid_thw"], grouped["image_grid_thw"])
+    long = "<｜begin▁of▁sentence｜>a rather longer prompt than that"
+    # the top level wins over text_kwargs, which wins over common_kwargs
+    out = processor(text=[long], max_length=3, text_kwargs={"max_length": 5, "truncation": True},
+                    common_kwargs={"max_length": 7}, return_tensors="pt")
+    assert out["input_ids"].shape[1] == 3
+    with pytest.raises(DeepseekV41ProcessorError, match="sanitize_control_tokens"):
+        processor(text=[long], sanitize_control_tokens=True)
+
+
+def test_resize_is_checked_before_anything_changes_and_reaches_the_backbone_class(converted_tiny_fp8):
+    from deepseek_v41_vl.modeling.engram_deepseek_v41_vl import DeepseekV41EngramError
+
+    backbone = AutoModel.from_pretrained(converted_tiny_fp8)
+    vocab = backbone.config.text_config.vocab_size
+    backbone.resize_token_embeddings(vocab + 4, mean_resizing=False)
+    assert backbone.model.engram_hash.token_map.numel() == vocab + 4 == backbone.model.embed.num_embeddings
+    pad = backbone.model.engram_hash.layout.pad_token_id
+    with pytest.raises(DeepseekV41EngramError, match="engram_pad_token_id"):
+        backbone.resize_token_embeddings(pad)
+    assert backbone.model.embed.num_embeddings == vocab + 4  # refused before the embedding changed
