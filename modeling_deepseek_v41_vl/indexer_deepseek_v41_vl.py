@@ -363,9 +363,12 @@ class DeepseekV41Indexer(nn.Module):
         elif self.uses_candidates:
             scores = scores.masked_fill(~self._candidate_mask(state, rows, n_keys, batch), -torch.inf)
 
-        if self.numerics.exact:
+        if self.numerics.exact or state.pad_offsets is None:
+            # torch.topk's tie choice: the reference's (exact mode ranks each padded row alone)
             picked = scores.topk(min(k, n_keys), dim=-1, sorted=False).indices
         else:
+            # fast numerics with left padding ranks the batch at once: ties by position, so a
+            # padded row's choice does not depend on the other rows' lengths
             picked = _topk_ties_by_position(scores, min(k, n_keys))
         if not one_step or self.numerics.exact:
             # ascending positions: the reference's order, in which the attention adds them up; a fast

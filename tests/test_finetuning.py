@@ -83,7 +83,7 @@ def test_a_small_adamw_step_moves_every_fp32_aligner_weight(converted_tiny_fp8, 
 def test_trainer_with_the_processor_as_collator_trains_the_aligner(converted_tiny_fp8, processor, photos, tmp_path):
     model = AutoModelForImageTextToText.from_pretrained(converted_tiny_fp8, dtype=torch.float32)
     _only_aligner_trains(model)
-    # one example, repeated: every batch is the same, so the curve shows the training alone
+    # one example, repeated: the loss on it before and after training shows what training did
     rows = [{"image": photos[0], "answer": "A cat on a windowsill."}] * 4
 
     def collate(examples):
@@ -93,8 +93,14 @@ def test_trainer_with_the_processor_as_collator_trains_the_aligner(converted_tin
         batch["labels"] = batch["input_ids"].masked_fill((batch["mm_token_type_ids"] != 0) | (batch["attention_mask"] == 0), -100)
         return batch
 
+    def loss_now() -> float:
+        model.eval()
+        with torch.no_grad():
+            return float(model(**collate(rows[:1])).loss)
+
+    before = loss_now()
     args = TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=12, learning_rate=2e-2,
+        output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=12, learning_rate=5e-3,
         logging_steps=1, report_to=[], remove_unused_columns=False, use_cpu=True, save_strategy="no",
         dataloader_num_workers=0, seed=0,
     )
@@ -102,8 +108,8 @@ def test_trainer_with_the_processor_as_collator_trains_the_aligner(converted_tin
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses)))
-    assert losses[-1] < losses[0] - 0.05, losses
-
+    after = loss_now()
+    assert after < before - 0.02, (before, after, losses)
 
 @pytest.mark.parametrize("weight_dtype", ["fp8", "fp4"])
 @pytest.mark.parametrize("numerics", ["exact", "fast"])
