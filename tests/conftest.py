@@ -65,6 +65,22 @@ def converted_tiny_fp8(golden, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def tiny_processor(converted_tiny_fp8):
+    """`AutoProcessor` of the converted golden `model_tiny_fp8` folder."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(converted_tiny_fp8)
+
+
+@pytest.fixture(scope="module")
+def photos(golden) -> list[str]:
+    """Two real photos: scikit-image's chelsea (bundled with the package) and the golden rocket."""
+    from deepseek_v41_vl.cli import bundled_photo
+
+    return [str(bundled_photo()), str(golden / "preprocess" / "images" / "rocket.jpg")]
+
+
+@pytest.fixture(scope="module")
 def one_torch_thread():
     """One intra-op thread for a test module, restored afterwards.
 

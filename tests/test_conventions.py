@@ -23,6 +23,11 @@ from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import (
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+
+@pytest.fixture(scope="module")
+def processor(tiny_processor):
+    return tiny_processor
+
 SHORT = "<｜begin▁of▁sentence｜><｜User｜><｜deepseek_image｜>What is it?<｜Assistant｜></think>"
 LONG = "<｜begin▁of▁sentence｜><｜User｜><｜deepseek_image｜><｜deepseek_image｜>Compare the two.<｜Assistant｜></think>"
 
@@ -30,16 +35,6 @@ LONG = "<｜begin▁of▁sentence｜><｜User｜><｜deepseek_image｜><｜deeps
 @pytest.fixture(scope="module")
 def model(converted_tiny_fp8):
     return AutoModelForImageTextToText.from_pretrained(converted_tiny_fp8, numerics="exact")
-
-
-@pytest.fixture(scope="module")
-def processor(converted_tiny_fp8):
-    return AutoProcessor.from_pretrained(converted_tiny_fp8)
-
-
-@pytest.fixture(scope="module")
-def photos(golden):
-    return [str(bundled_photo()), str(golden / "preprocess" / "images" / "rocket.jpg")]
 
 
 def test_return_dict_false_returns_a_tuple_loss_first(converted_tiny_fp8, model, processor):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainingArguments
+from transformers import AutoModelForImageTextToText, Trainer, TrainingArguments
 
 import deepseek_v41_vl  # noqa: F401  (registers the Auto classes)
 from deepseek_v41_vl.cli import bundled_photo
@@ -13,17 +13,12 @@ from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41Model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+
+@pytest.fixture(scope="module")
+def processor(tiny_processor):
+    return tiny_processor
+
 PROMPT = "<｜begin▁of▁sentence｜><｜User｜><｜deepseek_image｜>What is it?<｜Assistant｜></think>"
-
-
-@pytest.fixture(scope="module")
-def processor(converted_tiny_fp8):
-    return AutoProcessor.from_pretrained(converted_tiny_fp8)
-
-
-@pytest.fixture(scope="module")
-def photos(golden):
-    return [str(bundled_photo()), str(golden / "preprocess" / "images" / "rocket.jpg")]
 
 
 def _batch(processor, photos, answers):
