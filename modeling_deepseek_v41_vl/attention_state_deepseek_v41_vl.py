@@ -59,6 +59,25 @@ class DeepseekV41AttentionState:
     # built by the first layer that asks: each saves a few kernel launches per layer and step
     _step_tables: dict = field(default_factory=dict, init=False, repr=False)
 
+    def shared_snapshot(self, layer_id: int) -> tuple:
+        """What a layer reads of the state other layers write within a forward, as it is now (for
+        a gradient-checkpointing replay of `layer_id`): the index sources' top-k, the candidate
+        source's choice, the last index-key publisher, and whether the layer's own cache exists."""
+        cache = self.cache
+        own = cache.layers.get(layer_id)
+        return (dict(self.topk_idxs), self.candidates, self.candidate_blocks,
+                cache.index_k_publisher, cache.index_k_publisher_rows, own)
+
+    def restore_shared(self, snapshot: tuple, layer_id: int) -> None:
+        """Put back a :meth:`shared_snapshot` of `layer_id` (its own cache as it was then)."""
+        topk_idxs, self.candidates, self.candidate_blocks, publisher, rows, own = snapshot
+        self.topk_idxs = dict(topk_idxs)
+        self.cache.index_k_publisher, self.cache.index_k_publisher_rows = publisher, rows
+        if own is None:
+            self.cache.layers.pop(layer_id, None)
+        else:
+            self.cache.layers[layer_id] = own
+
     def step_table(self, key: tuple, build):
         """`build()` once per forward for `key`; later calls return the same (read-only) tensor."""
         if key not in self._step_tables:

@@ -109,8 +109,27 @@ class DeepseekV41DecoderLayer(nn.Module):
         Raises:
             DeepseekV41ModelError: an Engram layer called without hash ids.
         """
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and attention_state.start_pos == 0:
+            return self._checkpointed(hidden_states, pre_mix_in, attention_state, image_mask, engram_hash_ids, engram_mask)
         with on_device(hidden_states.device):
             return self._forward(hidden_states, pre_mix_in, attention_state, image_mask, engram_hash_ids, engram_mask)
+
+    # set by `gradient_checkpointing_enable`, with `_gradient_checkpointing_func`
+    gradient_checkpointing = False
+
+    def _checkpointed(self, hidden_states, pre_mix_in, attention_state, *rest):
+        # The backward replays this layer after later layers advanced the per-forward state it
+        # read (the last index-key publisher, the candidate source's choice, the index sources'
+        # top-k) and after its own cache entry was filled: the replay first puts back what the
+        # layer saw, so it recomputes the same values.
+        seen = attention_state.shared_snapshot(self.layer_idx)
+
+        def replay(h, p):
+            attention_state.restore_shared(seen, self.layer_idx)
+            with on_device(h.device):
+                return self._forward(h, p, attention_state, *rest)
+
+        return self._gradient_checkpointing_func(replay, hidden_states, pre_mix_in)
 
     def _forward(self, hidden_states, pre_mix_in, attention_state, image_mask, engram_hash_ids, engram_mask):
         if self.engram is not None:

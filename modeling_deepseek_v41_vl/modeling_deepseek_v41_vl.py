@@ -462,8 +462,8 @@ class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
     base_model_prefix = "model"
     main_input_name = "input_ids"
     input_modalities = ("image", "text")
-    # ViT blocks only: a decoder layer's recompute would see the per-forward attention state that
-    # later layers advanced (window ring, compressor groups), so decoder layers are not checkpointed
+    # ViT blocks (GradientCheckpointingLayer) and decoder layers (a replay that first restores
+    # the per-forward attention state the layer read)
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeepseekV41DecoderLayer", "DeepseekV41VisionBlock"]
     _skip_keys_device_placement = ["cache", "past_key_values"]

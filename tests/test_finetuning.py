@@ -182,7 +182,7 @@ def _loss_and_grads(model, batch):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def test_gradient_checkpointing_of_the_vit_blocks_gives_the_same_loss_and_gradients(converted_tiny_fp8, processor, photos):
+def test_gradient_checkpointing_of_vit_blocks_and_decoder_layers_gives_the_same_loss_and_gradients(converted_tiny_fp8, processor, photos):
     model = AutoModelForImageTextToText.from_pretrained(converted_tiny_fp8, dtype=torch.float32, numerics="exact")
     for name, parameter in model.named_parameters():
         # the tower, the aligner and one LM norm per layer: gradients through every checkpointed block
@@ -192,6 +192,7 @@ def test_gradient_checkpointing_of_the_vit_blocks_gives_the_same_loss_and_gradie
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert model.is_activation_checkpointing
     assert all(block.gradient_checkpointing for block in model.model.vision.blocks)
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
     again, grads_again = _loss_and_grads(model, batch)
     assert torch.equal(loss, again)
     assert grads.keys() == grads_again.keys() and any(n.startswith("model.vision.") for n in grads)
