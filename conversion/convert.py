@@ -248,17 +248,16 @@ def _link_weights(tmp: Path, source: SourceCheckpoint, token_map) -> tuple[list[
     return sorted(renamed.values()), weight_map
 
 
-def _write_tokenizer(tmp: Path, source: SourceCheckpoint, config: DeepseekV41Config) -> None:
+def _write_tokenizer(tmp: Path, source: SourceCheckpoint, config: DeepseekV41Config, tok) -> None:
+    """tokenizer.json copied, tokenizer_config.json (the source's, or one naming the special tokens
+    the config's ids point at) with the response template and the image token. `tok` is the
+    source's `tokenizers.Tokenizer`."""
     from ..processing.encoding_deepseek_v41_vl import RESPONSE_TEMPLATE
 
     shutil.copyfile(source.tokenizer_file, tmp / "tokenizer.json")
     if source.tokenizer_config_file is not None:
         data = json.loads(source.tokenizer_config_file.read_text(encoding="utf-8"))
     else:
-        # No tokenizer_config.json in the source: name the special tokens the config's ids point at.
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_file(str(source.tokenizer_file))
         text = config.text_config
         data = {
             "tokenizer_class": "PreTrainedTokenizerFast",
@@ -272,9 +271,7 @@ def _write_tokenizer(tmp: Path, source: SourceCheckpoint, config: DeepseekV41Con
     # what the pipeline and `transformers serve` split a generated turn with
     data.setdefault("response_template", RESPONSE_TEMPLATE)
     # `tokenizer.image_token` / `image_token_id`, as transformers' VLM tokenizers have them
-    from tokenizers import Tokenizer
-
-    image_token = Tokenizer.from_file(str(source.tokenizer_file)).id_to_token(config.image_token_id)
+    image_token = tok.id_to_token(config.image_token_id)
     if image_token is not None and not data.get("extra_special_tokens"):
         data["extra_special_tokens"] = {"image_token": image_token}
     (tmp / "tokenizer_config.json").write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -285,15 +282,13 @@ def _write_tokenizer(tmp: Path, source: SourceCheckpoint, config: DeepseekV41Con
 THINKING_MAX_NEW_TOKENS = 32768
 
 
-def _write_generation_config(tmp: Path, source: SourceCheckpoint, config: DeepseekV41Config) -> None:
+def _write_generation_config(tmp: Path, source: SourceCheckpoint, config: DeepseekV41Config, tok) -> None:
     """generation_config.json: BOS/EOS/pad ids, ``max_new_tokens`` = THINKING_MAX_NEW_TOKENS, and the
     ``<think>`` / ``</think>`` ids that `generate` reads to warn about a reasoning cut off."""
-    from tokenizers import Tokenizer
     from transformers import GenerationConfig
 
     from ..processing.encoding_deepseek_v41_vl import THINK_END, THINK_START
 
-    tok = Tokenizer.from_file(str(source.tokenizer_file))
     think = {name: tok.token_to_id(token) for name, token in (("think_start", THINK_START), ("think_end", THINK_END))}
     if None in think.values():
         raise DeepseekV41ConversionError(f"{source.tokenizer_file}: {THINK_START!r} and {THINK_END!r} must be single tokens")
@@ -308,7 +303,7 @@ def _write_generation_config(tmp: Path, source: SourceCheckpoint, config: Deepse
     ).save_pretrained(tmp)
 
 
-def _write_processor_files(tmp: Path, source: SourceCheckpoint, config: DeepseekV41Config, vl: bool) -> None:
+def _write_processor_files(tmp: Path, config: DeepseekV41Config, vl: bool, tok) -> None:
     """chat_template.jinja always; preprocessor_config.json and processor_config.json with vision."""
     from ..processing import processing_deepseek_v41_vl as processing
 
@@ -317,14 +312,13 @@ def _write_processor_files(tmp: Path, source: SourceCheckpoint, config: Deepseek
         (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
     if not vl:
         return
-    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     from ..processing.image_processing_deepseek_v41_vl import DeepseekV41ImageProcessor
 
     image_processor = DeepseekV41ImageProcessor.from_vision_config(config.vision_config)
     image_processor.save_pretrained(tmp)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(source.tokenizer_file)))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok)
     processor = processing.DeepseekV41Processor(
         image_processor=image_processor, tokenizer=tokenizer, chat_template=template, image_token_id=config.image_token_id
     )
@@ -465,9 +459,12 @@ def convert_checkpoint(
                 summary.shards = files
                 _verify_headers(tmp, files, weight_map, expected)
             (tmp / "config.json").write_text(config.to_json_string(use_diff=False), encoding="utf-8")
-            _write_tokenizer(tmp, source, config)
-            _write_generation_config(tmp, source, config)
-            _write_processor_files(tmp, source, config, vl)
+            from tokenizers import Tokenizer
+
+            tok = Tokenizer.from_file(str(source.tokenizer_file))  # parsed once for the files below
+            _write_tokenizer(tmp, source, config, tok)
+            _write_generation_config(tmp, source, config, tok)
+            _write_processor_files(tmp, config, vl, tok)
             bundle_remote_code(tmp)
             if verify:
                 if link:

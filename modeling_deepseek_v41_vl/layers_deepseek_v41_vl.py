@@ -65,11 +65,9 @@ class DeepseekV41Head(nn.Linear):
         """A head holding `linear`'s weight (made fp32); it must have no bias."""
         if linear.bias is not None:
             raise ValueError("the DeepSeek-V4.1 head has no bias")
-        head = cls.__new__(cls)
-        nn.Module.__init__(head)
-        head.out_features, head.in_features = linear.weight.shape
+        with torch.device("meta"):  # no [V, D] allocation for a weight replaced right away
+            head = cls(*linear.weight.shape)
         head.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=linear.weight.requires_grad)
-        head.register_parameter("bias", None)
         return head
 
     def reset_parameters(self) -> None:

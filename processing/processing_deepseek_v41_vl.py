@@ -54,6 +54,7 @@ from ..modeling.image_spans_deepseek_v41_vl import image_span_length, image_span
 from ..modeling.image_spans_deepseek_v41_vl import image_token_roles as _image_token_roles
 from .remote_code_deepseek_v41_vl import ProcessorSaveMixin, register_for_auto_class
 from .errors_deepseek_v41_vl import DeepseekV41ProcessorError
+from .image_processing_deepseek_v41_vl import _SETTINGS as IMAGE_PROCESSOR_SETTINGS
 from .image_processing_deepseek_v41_vl import DeepseekV41ImageProcessor
 
 IMAGE_TOKEN_ID = 129264
@@ -75,8 +76,6 @@ _CALL_OPTIONS = {
 }
 # transformers' structured form: `text_kwargs={...}` / `common_kwargs={...}` hold call options too
 _GROUPED_OPTIONS = ("text_kwargs", "common_kwargs")
-# image-processor settings a caller may give at the top level (they go to `images_kwargs`)
-_IMAGE_SETTINGS = ("max_image_tokens", "min_pixels", "max_wh_ratio", "pad_color", "image_mean", "image_std", "max_image_pixels", "exif_orientation", "patch_size", "downsample_ratio")
 _FLAG_OPTIONS = ("add_special_tokens", "return_attention_mask", "return_mm_token_type_ids", "allow_urls")
 # Image-processor settings that fix the span geometry (patch grid -> token grid). The model's
 # aligner merges patches with the config's ratio, so a per-call value would build spans the model
@@ -145,7 +144,7 @@ def _call_options(kwargs: dict[str, Any]) -> dict[str, Any]:
             "would be tokenized as they are"
         )
     options.pop("sanitize_control_tokens", None)
-    moved = {key: options.pop(key) for key in list(options) if key in _IMAGE_SETTINGS and key not in _CALL_OPTIONS}
+    moved = {key: options.pop(key) for key in list(options) if key in IMAGE_PROCESSOR_SETTINGS and key not in _CALL_OPTIONS}
     if moved:
         images = options.get("images_kwargs")
         options["images_kwargs"] = {**moved, **(dict(images) if isinstance(images, Mapping) else {})}
@@ -315,8 +314,7 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
         config = processor_dict.get("image_processor")
         if isinstance(config, dict):
             # `from_pretrained(dir, max_image_tokens=16)`: settings given override the saved ones
-            settings = inspect.signature(DeepseekV41ImageProcessor.__init__).parameters
-            overrides = {key: kwargs[key] for key in kwargs if key in settings and key != "self"}
+            overrides = {key: kwargs[key] for key in kwargs if key in IMAGE_PROCESSOR_SETTINGS}
             image_processor = DeepseekV41ImageProcessor.from_dict({**config, **overrides})
         else:
             image_processor = DeepseekV41ImageProcessor.from_pretrained(
