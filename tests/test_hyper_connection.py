@@ -20,6 +20,7 @@ from deepseek_v41_vl.modeling.hyper_connection_deepseek_v41_vl import (
     hc_split_sinkhorn,
     identity_pre_mix,
 )
+from golden_bits import LOCAL_REL_L2, assert_golden
 
 HC, ITERS, HC_EPS, NORM_EPS = 4, 20, 1e-6, 1e-20
 
@@ -47,7 +48,8 @@ def test_ffn_pre_from_attention_output_is_bit_exact(golden, variant):
         x1 = hc.post(vl[f"prefill.attn_out.{i}"], x, post, comb)
         assert x1.dtype == torch.bfloat16 and x1.shape == x.shape
         f_pre, _, _ = hc.mixes(x1, p("ffn_fn"), p("ffn_scale"), p("ffn_base"))
-        assert torch.equal(f_pre, vl[f"prefill.pre_mix_in.{i + 1}"]), f"{variant}: block {i} ffn pre differs"
+        # teacher-forced, one block: off the fixture CPU only last-bit GEMM differences
+        assert_golden(f_pre, vl[f"prefill.pre_mix_in.{i + 1}"], f"{variant}: block {i} ffn pre", rel_l2=LOCAL_REL_L2)
 
 
 def test_sinkhorn_output_ranges_and_double_stochasticity():

@@ -34,6 +34,7 @@ from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import (
 )
 from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
 
+from golden_bits import CHAIN_REL_L2, assert_golden
 from golden_models import DECODE_STEPS, VARIANTS, golden_model, run_inputs
 from test_fast_numerics import TINY_BUDGET
 from helpers import rel_l2
@@ -71,9 +72,10 @@ def _text_rows(golden, variant):
 
 
 def assert_row_matches(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """Bit for bit up to the row's last whole 8 positions, the rest within the README's bound."""
+    """Bit for bit up to the row's last whole 8 positions, the rest within the README's bound.
+    (Off the fixture CPU, golden_bits.py, the batch's GEMMs may block differently from the row's.)"""
     whole = got.size(0) - got.size(0) % 8
-    assert torch.equal(got[:whole], want[:whole]), what
+    assert_golden(got[:whole], want[:whole], what, rel_l2=CHAIN_REL_L2)
     if whole < got.size(0):
         assert rel_l2(got[whole:], want[whole:]) < LOGITS_REL_L2, what
 
@@ -104,8 +106,8 @@ def test_image_row_next_to_a_padded_text_row(golden, variant):
     with torch.no_grad():
         logits = model(ids, attention_mask=mask, mm_token_type_ids=marks, pixel_values=vl_inputs["pixel_values"],
                        image_grid_thw=vl_inputs["image_grid_thw"], cache=cache, logits_to_keep=0).logits
-    assert torch.equal(logits[0], vl["prefill.logits"][0])
-    assert torch.equal(logits[1, -text_row.numel() :], _alone(model, text_row))
+    assert_golden(logits[0], vl["prefill.logits"][0], "VL row logits", rel_l2=CHAIN_REL_L2)
+    assert_golden(logits[1, -text_row.numel() :], _alone(model, text_row), "text row logits", rel_l2=CHAIN_REL_L2)
     # each row's compressed KV and index keys sit at its own group indices
     alone = DeepseekV41Cache(model.config)
     with torch.no_grad():
@@ -114,8 +116,10 @@ def test_image_row_next_to_a_padded_text_row(golden, variant):
     for source in text_config.kv_source_layer_ids:
         ratio = text_config.compress_ratios[source]
         mine, its = cache.attention.layer(source), alone.attention.layer(source)
-        assert torch.equal(mine.compressed_kv.rows(160 // ratio)[0], vl[f"prefill.compress_kv_cache.{source}"][0])
-        assert torch.equal(mine.index_k.rows(160 // ratio)[0], vl[f"prefill.index_k_cache.{source}"][0])
+        assert_golden(mine.compressed_kv.rows(160 // ratio)[0], vl[f"prefill.compress_kv_cache.{source}"][0],
+                      f"layer {source} compressed KV", rel_l2=CHAIN_REL_L2)
+        assert_golden(mine.index_k.rows(160 // ratio)[0], vl[f"prefill.index_k_cache.{source}"][0],
+                      f"layer {source} index keys", rel_l2=CHAIN_REL_L2)
         n = text_row.numel() // ratio
         assert torch.equal(mine.compressed_kv.rows(n)[1], its.compressed_kv.rows(n)[0])
         assert torch.equal(mine.index_k.rows(n)[1], its.index_k.rows(n)[0])

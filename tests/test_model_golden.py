@@ -34,6 +34,7 @@ from deepseek_v41_vl.modeling.debug_deepseek_v41_vl import capture_intermediates
 from deepseek_v41_vl.modeling.image_spans_deepseek_v41_vl import image_token_roles
 from deepseek_v41_vl.modeling.vision_deepseek_v41_vl import DeepseekV41VisionInputError
 
+from golden_bits import CHAIN_REL_L2, LOCAL_MISMATCH, LOCAL_REL_L2, assert_golden, fixture_cpu, record_deviation
 from golden_models import (
     DECODE_STEPS,
     RUNS,
@@ -123,11 +124,25 @@ def first_mismatches(pairs: list[tuple[str, torch.Tensor | None, torch.Tensor]])
     return bad
 
 
-def assert_all_equal(pairs, what: str) -> None:
+def assert_all_equal(pairs, what: str, *, rel_l2: float, mismatch: float | None) -> None:
+    """Every boundary bit for bit, naming the FIRST one that differs. Off the fixture CPU
+    (golden_bits.py) each float boundary must instead stay within `rel_l2`, and each id boundary
+    within `mismatch`; `mismatch=None`: ids picked after the chaos has grown (a handful of top-k
+    picks can all flip) are recorded, not bounded."""
     bad = first_mismatches(pairs)
-    assert not bad, f"{what}: FIRST differing boundary is {bad[0]}; {len(bad)} of {len(pairs)} differ: " + "; ".join(
-        bad[:8]
-    )
+    if not bad:
+        return
+    if fixture_cpu() or any(ours is None for _, ours, _ in pairs):
+        raise AssertionError(
+            f"{what}: FIRST differing boundary is {bad[0]}; {len(bad)} of {len(pairs)} differ: " + "; ".join(bad[:8])
+        )
+    for name, ours, ref in pairs:
+        if ref.is_floating_point():
+            assert_golden(ours, ref, f"{what} {name}", rel_l2=rel_l2)
+        elif mismatch is not None:
+            assert_golden(ours, ref, f"{what} {name}", mismatch=mismatch)
+        elif not torch.equal(ours, ref):
+            record_deviation(f"{what} {name}: {describe(ours, ref)}, not bounded on this CPU")
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,7 +205,8 @@ def test_prefill_is_bit_exact(golden, variant, run):
         assert name in names
     if run == "vl":
         assert {"embed.merged", "image0.aligner_out", "image1.aligner_out", "attn_out.0"} <= set(names)
-    assert_all_equal([(n, ours.get(n), tensors[f"prefill.{n}"]) for n in names], f"{variant} {run} prefill")
+    assert_all_equal([(n, ours.get(n), tensors[f"prefill.{n}"]) for n in names], f"{variant} {run} prefill",
+                     rel_l2=CHAIN_REL_L2, mismatch=None)
 
 
 @pytest.mark.parametrize("run", RUNS)
@@ -213,7 +229,7 @@ def test_decode_is_bit_exact(golden, variant, run):
         for n in names:
             ours = decode[n][step] if n in decode else None
             pairs.append((f"step {step} {n}", ours, tensors[f"decode.{n}"][step]))
-    assert_all_equal(pairs, f"{variant} {run} decode")
+    assert_all_equal(pairs, f"{variant} {run} decode", rel_l2=CHAIN_REL_L2, mismatch=None)
     assert result["cache"].get_seq_length() == tensors["input_ids"].size(1) + DECODE_STEPS
 
 
@@ -235,7 +251,7 @@ def test_each_block_teacher_forced(golden, variant, run):
             pairs += [(n, captured.get(n), tensors[f"prefill.{n}"]) for n in names if f"prefill.{n}" in tensors]
             pairs.append((f"block_out.{i}", out, tensors[f"prefill.block_out.{i}"]))
     assert len(pairs) >= 3 * len(model.layers)
-    assert_all_equal(pairs, f"{variant} {run} teacher-forced blocks")
+    assert_all_equal(pairs, f"{variant} {run} teacher-forced blocks", rel_l2=LOCAL_REL_L2, mismatch=LOCAL_MISMATCH)
 
 
 def test_decode_needs_one_token_per_step_and_no_late_images(golden):

@@ -17,6 +17,7 @@ from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import DeepseekV41Numeric
 from deepseek_v41_vl.modeling.vision_deepseek_v41_vl import vision_rope_tables  # noqa: E402
 from deepseek_v41_vl.triton_ops.vision_rope import VisionRopeError, apply_vision_rope, resolve_backend  # noqa: E402
 
+from golden_bits import LOCAL_REL_L2, assert_golden  # noqa: E402
 from test_vision import GOLDEN_OUTPUT_BOUNDARIES, golden_inputs, load_golden_tower  # noqa: E402
 
 GRIDS = [(1, 1), (1, 6), (5, 1), (5, 7)]
@@ -163,5 +164,6 @@ def test_tiny_tower_with_the_kernel_equals_fallback_and_golden(golden):
             runs[backend] = tower(torch.cat(pixel_values), grids)
         for image in (0, 1):
             for name in GOLDEN_OUTPUT_BOUNDARIES:
-                assert torch.equal(records[name][image], outputs[f"image{image}.{name}"]), (backend, image, name)
+                assert_golden(records[name][image], outputs[f"image{image}.{name}"], f"{backend} image{image}.{name}",
+                              rel_l2=LOCAL_REL_L2)
     assert torch.equal(runs["triton"], runs["torch"])
