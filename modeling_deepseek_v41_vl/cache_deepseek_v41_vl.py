@@ -315,12 +315,15 @@ class DeepseekV41Cache(Cache):
     Attributes:
         attention: :class:`DeepseekV41AttentionCache` handed to the attention modules.
         engram_history: int64 ``[B, max_ngram_size - 1]`` or None before the prefill.
+        image_counts: int64 ``[B]``, the images each row has taken so far (None before any), so
+            that a later turn given the whole conversation's `pixel_values` encodes only its own.
     """
 
     def __init__(self, config):
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.attention = DeepseekV41AttentionCache()
         self.engram_history: torch.Tensor | None = None
+        self.image_counts: torch.Tensor | None = None
         self._seen_tokens = 0
         layers = [DeepseekV41CacheLayer(self.attention.layer(i), self) for i in range(text.num_hidden_layers)]
         super().__init__(layers=layers)
@@ -341,6 +344,7 @@ class DeepseekV41Cache(Cache):
         self.attention.pad_offsets = None
         self.attention.prefill_length = None
         self.engram_history = None
+        self.image_counts = None
         self._seen_tokens = 0
         self.attention.seen_tokens = 0
 
@@ -361,6 +365,7 @@ class DeepseekV41Cache(Cache):
             raise DeepseekV41CacheError(f"batch indices must lie in [0, {batch}), got {indices.tolist()}")
         super().batch_select_indices(indices)
         self.engram_history = select_batch_rows(self.engram_history, indices)
+        self.image_counts = select_batch_rows(self.image_counts, indices)
         # per batch row attention state (left padding)
         self.attention.pad_offsets = select_batch_rows(self.attention.pad_offsets, indices)
         self.attention.index_k_publisher_rows = select_batch_rows(self.attention.index_k_publisher_rows, indices)
@@ -370,8 +375,10 @@ class DeepseekV41Cache(Cache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        if self.engram_history is not None:
-            self.engram_history = self.engram_history.repeat_interleave(repeats, dim=0)
+        for name in ("engram_history", "image_counts"):
+            rows = getattr(self, name)
+            if rows is not None:
+                setattr(self, name, rows.repeat_interleave(repeats, dim=0))
         for name in ("pad_offsets", "index_k_publisher_rows"):
             rows = getattr(self.attention, name)
             if rows is not None:

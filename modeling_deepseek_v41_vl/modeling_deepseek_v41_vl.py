@@ -58,7 +58,7 @@ from .cuda_graphs_deepseek_v41_vl import decode_layers
 from .decoder_layer_deepseek_v41_vl import DeepseekV41DecoderLayer
 from .engram_deepseek_v41_vl import DeepseekV41Engram, DeepseekV41EngramHash
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
-from .generation_deepseek_v41_vl import DeepseekV41GenerationMixin
+from .generation_deepseek_v41_vl import DeepseekV41GenerationMixin, continuation_images, count_images
 from .hyper_connection_deepseek_v41_vl import DeepseekV41HyperConnection, identity_pre_mix
 from .image_spans_deepseek_v41_vl import check_image_spans, image_span_length, llm_grid, parse_image_grid
 from .layers_deepseek_v41_vl import DeepseekV41Head, DeepseekV41EmbeddingsMixin, DeepseekV41RMSNorm, default_dtype
@@ -268,7 +268,7 @@ class DeepseekV41Transformer(nn.Module):
         sequence exactly like one prefill would (see `attention_deepseek_v41_vl.py`). Images in a
         chunked prefill: compute :meth:`get_image_span_embeddings` once and pass each chunk the
         rows of the span positions it holds as `image_span_embeds` (with `mm_token_type_ids` of
-        the chunk), so a span may be split between chunks; `pixel_values` only prefill at 0.
+        the chunk), so a span may be split between chunks; `pixel_values` need whole spans.
         Setting ``cache.attention.prefill_length`` to the prompt length before the first chunk
         makes exact numerics rank the indexer like one prefill (bitwise the same logits; see
         `DeepseekV41AttentionCache`).
@@ -326,8 +326,6 @@ class DeepseekV41Transformer(nn.Module):
             )
 
         self._follow_config_numerics()
-        if pixel_values is not None and start_pos != 0:
-            raise DeepseekV41ModelError("pixel_values prefill at position 0 only; pass later chunks image_span_embeds")
         if pixel_values is not None and image_span_embeds is not None:
             raise DeepseekV41ModelError("pass pixel_values or image_span_embeds, not both")
         image_mask, span_rows = self._image_positions(input_ids, mm_token_type_ids, pixel_values, image_grid_thw, image_span_embeds)
@@ -595,12 +593,11 @@ class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
             # so padding after a row's last token never reaches it: a right-padded training batch
             # runs as if unpadded (a cache would record the pads)
             attention_mask = None
-        if cache is not None and cache.get_seq_length() > 0:
-            # decode: generate() keeps extending mm_token_type_ids with zeros; the new positions are text
-            if mm_token_type_ids is not None and bool((mm_token_type_ids != 0).any()):
-                raise DeepseekV41ModelError("image positions after the prefill: images must be prefilled at position 0")
-            mm_token_type_ids = None
-        return self.model(
+        if cache is not None and cache.get_seq_length() > 0:  # decode, or a conversation's next turn
+            mm_token_type_ids, pixel_values, image_grid_thw = continuation_images(
+                self.model, input_ids, mm_token_type_ids, pixel_values, image_grid_thw, cache
+            )
+        out = self.model(
             input_ids,
             attention_mask=attention_mask,
             mm_token_type_ids=mm_token_type_ids,
@@ -610,6 +607,8 @@ class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
             logits_to_keep=logits_to_keep,
             output_hidden_states=self.config.output_hidden_states if output_hidden_states is None else output_hidden_states,
         )
+        count_images(self.model, cache, mm_token_type_ids if pixel_values is not None else None, image_grid_thw)
+        return out
 
 
 class DeepseekV41Model(DeepseekV41EmbeddingsMixin, DeepseekV41PreTrainedModel):

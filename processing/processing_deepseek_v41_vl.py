@@ -73,10 +73,19 @@ _CALL_OPTIONS = {
     "allow_urls",
     "truncation",
     "max_length",
+    "return_offsets_mapping",
+    "return_text_replacement_offsets",
 }
 # transformers' structured form: `text_kwargs={...}` / `common_kwargs={...}` hold call options too
 _GROUPED_OPTIONS = ("text_kwargs", "common_kwargs")
-_FLAG_OPTIONS = ("add_special_tokens", "return_attention_mask", "return_mm_token_type_ids", "allow_urls")
+_FLAG_OPTIONS = (
+    "add_special_tokens",
+    "return_attention_mask",
+    "return_mm_token_type_ids",
+    "allow_urls",
+    "return_offsets_mapping",
+    "return_text_replacement_offsets",
+)
 # Image-processor settings that fix the span geometry (patch grid -> token grid). The model's
 # aligner merges patches with the config's ratio, so a per-call value would build spans the model
 # (and `image_token_roles`) cannot read; they are set on the image processor, from the config.
@@ -171,7 +180,7 @@ def _check_call_options(kwargs: dict[str, Any]) -> None:
     max_length = kwargs.get("max_length")
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral) or max_length <= 0):
         raise DeepseekV41ProcessorError(f"max_length must be None or a positive integer, got {max_length!r}")
-    if kwargs.get("return_tensors", "pt") not in (None, "pt", "np"):
+    if kwargs.get("return_tensors") not in (None, "pt", "np"):
         raise DeepseekV41ProcessorError(f"return_tensors must be 'pt', 'np' or None, got {kwargs['return_tensors']!r}")
     images_kwargs = kwargs.get("images_kwargs")
     if images_kwargs is not None and not isinstance(images_kwargs, Mapping):
@@ -343,7 +352,9 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
             text (`str` or `list[str]`): prompts; `<｜deepseek_image｜>` marks an image.
             add_special_tokens (`bool`, defaults to True): add the tokenizer's special tokens once
                 per prompt (none for the DeepSeek tokenizer).
-            return_tensors (`str`, defaults to "pt"): "pt", "np" or None (lists).
+            return_tensors (`str`, *optional*): "pt" or "np"; None (the default, as transformers'
+                processors) gives the token columns as lists and the image columns as the image
+                processor's tensors.
             padding (`bool`, "longest" or "max_length", defaults to True): pad to the longest
                 prompt, or to `max_length`.
             truncation (`bool`), max_length (`int`): cut longer prompts to `max_length` on the
@@ -353,6 +364,13 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
             padding_side (`str`, *optional*): "left" or "right"; defaults to `self.padding_side`.
             pad_to_multiple_of (`int`, *optional*): a positive int; padded length is rounded up to it.
             return_attention_mask, return_mm_token_type_ids (`bool`, default True).
+            return_offsets_mapping (`bool`, default False): add `offset_mapping`, each token's
+                `(start, end)` characters in its prompt; an image span's tokens (expanded from the
+                placeholder as ids, not as text) and special or pad tokens are `(p, p)`, zero wide.
+            return_text_replacement_offsets (`bool`, default False): add
+                `text_replacement_offsets`, one empty list per prompt: the offsets above already
+                count the prompt's own characters, no text was replaced (what
+                `apply_chat_template(return_assistant_tokens_mask=True)` asks for).
             images_kwargs (`dict`, *optional*) and `allow_urls` (`bool`): passed to the image
                 processor. `patch_size` and `downsample_ratio` cannot be overridden per call: they
                 fix the span geometry, which must match the model's aligner (set them on the image
@@ -375,7 +393,7 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
         if videos is not None or audio is not None:
             raise DeepseekV41ProcessorError("DeepSeek-V4.1 takes text and images only (no videos, no audio)")
         kwargs = _call_options(kwargs)
-        return_tensors = kwargs.get("return_tensors", "pt")
+        return_tensors = kwargs.get("return_tensors")
         images_kwargs = dict(kwargs.get("images_kwargs") or {})
         if kwargs.get("allow_urls") is not None:
             images_kwargs["allow_urls"] = kwargs["allow_urls"]
@@ -409,12 +427,14 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
 
         add_special_tokens = kwargs.get("add_special_tokens")
         prefix, suffix = self._special_affixes() if add_special_tokens is not False else ([], [])
-        sequences, mm_types = [], []
+        with_offsets = bool(kwargs.get("return_offsets_mapping"))
+        sequences, mm_types, offsets = [], [], []
         image_index = 0
         for sample, segments in enumerate(pieces):
-            encoded = self.tokenizer(segments, add_special_tokens=False)["input_ids"]
+            encoded = self.tokenizer(segments, add_special_tokens=False, return_offsets_mapping=with_offsets)
             ids, types = list(prefix), [0] * len(prefix)
-            for k, segment_ids in enumerate(encoded):
+            spans, char = [(0, 0)] * len(prefix), 0
+            for k, segment_ids in enumerate(encoded["input_ids"]):
                 if self.image_token_id in segment_ids:
                     spelling = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
                     raise DeepseekV41ProcessorError(
@@ -423,19 +443,30 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
                     )
                 ids += segment_ids
                 types += [0] * len(segment_ids)
-                if k < len(encoded) - 1:
+                if with_offsets:
+                    spans += [(char + start, char + end) for start, end in encoded["offset_mapping"][k]]
+                char += len(segments[k])
+                if k < len(segments) - 1:
                     n_llm_h, n_llm_w = llm_grids[image_index]
                     span = image_span_length(n_llm_h, n_llm_w)
                     ids += [self.image_token_id] * span
                     types += [1] * span
+                    spans += [(char, char)] * span
+                    char += len(IMAGE_PLACEHOLDER)
                     image_index += 1
             ids += suffix
             types += [0] * len(suffix)
             sequences.append(ids)
             mm_types.append(types)
+            offsets.append(spans + [(char, char)] * len(suffix))
 
-        self._truncate(sequences, mm_types, kwargs)
-        data = self._pad(sequences, mm_types, kwargs)
+        columns = {"input_ids": sequences, "mm_token_type_ids": mm_types}
+        if with_offsets:
+            columns["offset_mapping"] = offsets
+        self._truncate(columns, kwargs)
+        data = self._pad(columns, kwargs)
+        if kwargs.get("return_text_replacement_offsets"):
+            data["text_replacement_offsets"] = [[] for _ in prompts]
         data.update(image_inputs)
         return BatchFeature(data=data, tensor_type=return_tensors)
 
@@ -477,16 +508,17 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
                 return full[:start], full[start + len(plain) :]
         raise DeepseekV41ProcessorError("cannot locate the special tokens the tokenizer adds around a text")
 
-    def _truncate(self, sequences: list[list[int]], mm_types: list[list[int]], kwargs: dict) -> None:
+    def _truncate(self, columns: dict[str, list[list[Any]]], kwargs: dict) -> None:
         """Cut prompts longer than `max_length` on the tokenizer's truncation side, never inside
-        or through an image span (refused: the span and its pixels belong together)."""
+        or through an image span (refused: the span and its pixels belong together). `columns`
+        holds per-token lists parallel to `input_ids` (`mm_token_type_ids` among them), cut alike."""
         if kwargs.get("truncation") in (None, False, "do_not_truncate"):
             return
         limit = kwargs.get("max_length") or getattr(self.tokenizer, "model_max_length", None)
         if limit is None:
             raise DeepseekV41ProcessorError("truncation needs max_length (the tokenizer has no model_max_length)")
         from_left = getattr(self.tokenizer, "truncation_side", "right") == "left"
-        for sample, (ids, types) in enumerate(zip(sequences, mm_types)):
+        for sample, (ids, types) in enumerate(zip(columns["input_ids"], columns["mm_token_type_ids"])):
             if len(ids) <= limit:
                 continue
             dropped = types[: len(ids) - limit] if from_left else types[limit:]
@@ -496,9 +528,12 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
                     "span: raise max_length or give fewer images"
                 )
             keep = slice(len(ids) - limit, None) if from_left else slice(None, limit)
-            sequences[sample], mm_types[sample] = ids[keep], types[keep]
+            for column in columns.values():
+                column[sample] = column[sample][keep]
 
-    def _pad(self, sequences: list[list[int]], mm_types: list[list[int]], kwargs: dict) -> dict[str, Any]:
+    def _pad(self, columns: dict[str, list[list[Any]]], kwargs: dict) -> dict[str, Any]:
+        """Pad every column of `columns` (see `_truncate`) and build the attention mask."""
+        sequences = columns["input_ids"]
         padding = kwargs.get("padding", True)
         side = kwargs.get("padding_side") or self.padding_side
         if side not in ("left", "right"):
@@ -524,23 +559,21 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
                 pad_id = self.tokenizer.pad_token_id
                 if pad_id is None:
                     raise DeepseekV41ProcessorError("the tokenizer has no pad token; cannot pad the batch")
+                fills = {"input_ids": pad_id, "mm_token_type_ids": 0, "offset_mapping": (0, 0), "attention_mask": 0}
                 for i, n in enumerate(lengths):
                     fill = target - n
-                    if side == "left":
-                        sequences[i] = [pad_id] * fill + sequences[i]
-                        mm_types[i] = [0] * fill + mm_types[i]
-                        masks[i] = [0] * fill + masks[i]
-                    else:
-                        sequences[i] = sequences[i] + [pad_id] * fill
-                        mm_types[i] = mm_types[i] + [0] * fill
-                        masks[i] = masks[i] + [0] * fill
-        elif len(set(lengths)) > 1 and kwargs.get("return_tensors", "pt") is not None:
+                    for name, column in [*columns.items(), ("attention_mask", masks)]:
+                        pad = [fills[name]] * fill
+                        column[i] = pad + column[i] if side == "left" else column[i] + pad
+        elif len(set(lengths)) > 1 and kwargs.get("return_tensors") is not None:
             raise DeepseekV41ProcessorError(f"prompts have different lengths {lengths}; pad them or pass return_tensors=None")
         data: dict[str, Any] = {"input_ids": sequences}
         if kwargs.get("return_attention_mask", True) is not False:
             data["attention_mask"] = masks
         if kwargs.get("return_mm_token_type_ids", True) is not False:
-            data["mm_token_type_ids"] = mm_types
+            data["mm_token_type_ids"] = columns["mm_token_type_ids"]
+        if "offset_mapping" in columns:
+            data["offset_mapping"] = columns["offset_mapping"]
         return data
 
     def image_token_roles(self, mm_token_type_ids, image_grid_thw) -> torch.Tensor:
@@ -559,6 +592,11 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
         `drop_thinking`, `add_default_bos_token`, `context_length`, `render_stop` (see
         `chat_template.jinja`). OpenAI JSON-string tool-call arguments are parsed first.
 
+        `return_assistant_tokens_mask=True` (with `tokenize=True, return_dict=True`) adds
+        `assistant_masks`: 1 on the tokens an assistant turn generates (its reasoning and
+        `</think>`, text, DSML tool calls and EOS: the template's `{% generation %}` blocks), 0 on
+        the rest (headers, user and system turns, images).
+
         With `tokenize=True, return_dict=True` the images of the `{"type": "image"}` /
         `{"type": "image_url"}` blocks of the messages the template actually emits are loaded, in
         prompt order (context messages before `context_length`, or after `render_stop`, are not
@@ -570,15 +608,11 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
                 image placeholder in any text, tool schema or tool call, invalid reasoning effort
                 or mode, conflicting `thinking_mode` / `enable_thinking`, unknown role, bad
                 tools...); an emitted image block has no source (or several); a video / audio
-                block; `documents` or `return_assistant_tokens_mask` (the template supports
-                neither); or the images do not match the placeholders.
+                block; `documents` (the template does not render them); or the images do
+                not match the placeholders.
         """
         conversations, batched = _normalized_conversations(conversation)
         conversation = conversations if batched else conversations[0]
-        if kwargs.get("return_assistant_tokens_mask"):
-            raise DeepseekV41ProcessorError(
-                "return_assistant_tokens_mask is not supported: the V4.1 chat template has no {% generation %} markers"
-            )
         if kwargs.get("documents") is not None:
             raise DeepseekV41ProcessorError("documents are not supported: the V4.1 chat template does not render them")
         if kwargs.get("continue_final_message") and kwargs.get("add_generation_prompt"):

@@ -392,7 +392,7 @@ def test_processor_routes_image_settings_and_refuses_what_it_cannot_honour(proce
                     common_kwargs={"max_length": 7}, return_tensors="pt")
     assert out["input_ids"].shape[1] == 3
     with pytest.raises(DeepseekV41ProcessorError, match="sanitize_control_tokens"):
-        processor(text=[long], sanitize_control_tokens=True)
+        processor(text=[long], sanitize_control_tokens=True, return_tensors="pt")
 
 
 def test_resize_is_checked_before_anything_changes_and_reaches_the_backbone_class(converted_tiny_fp8):
@@ -406,3 +406,57 @@ def test_resize_is_checked_before_anything_changes_and_reaches_the_backbone_clas
     with pytest.raises(DeepseekV41EngramError, match="engram_pad_token_id"):
         backbone.resize_token_embeddings(pad)
     assert backbone.model.embed.num_embeddings == vocab + 4  # refused before the embedding changed
+
+
+def test_return_assistant_tokens_mask_marks_what_the_assistant_generates(processor, photos):
+    # the template's {% generation %} blocks: an earlier assistant turn (thinking dropped before
+    # the last user turn) and its EOS are 1; headers, user turns and the image span are 0
+    messages = [
+        {"role": "user", "content": [{"type": "image", "url": photos[0]}, {"type": "text", "text": "What is it?"}]},
+        {"role": "assistant", "content": "A cat."},
+        {"role": "user", "content": "And its colour?"},
+        {"role": "assistant", "content": "Orange."},
+    ]
+    out = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, return_tensors="pt")
+    # transformers leaves `assistant_masks` as lists when return_tensors is the processor's default
+    ids, mask = out["input_ids"][0].tolist(), torch.as_tensor(out["assistant_masks"])[0].tolist()
+    assert len(mask) == len(ids) and set(mask) == {0, 1}
+    tok = processor.tokenizer
+    spans, start = [], None
+    for i, m in enumerate(mask + [0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append(ids[start:i])
+            start = None
+
+    def ids_of(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    assert spans == [ids_of("A cat.<｜end▁of▁sentence｜>"), ids_of("Orange.<｜end▁of▁sentence｜>")]
+    # the mask's tokens are the prompt's: rendering with the mask changes nothing else
+    plain = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+    assert out["input_ids"].tolist() == plain["input_ids"].tolist()
+    thinking = processor.apply_chat_template(
+        messages[:2], tokenize=True, return_dict=True, return_assistant_tokens_mask=True, thinking_mode="thinking",
+        drop_thinking=False, return_tensors="pt",
+    )
+    ids, mask = thinking["input_ids"][0].tolist(), torch.as_tensor(thinking["assistant_masks"])[0].tolist()
+    first = mask.index(1)
+    assert ids[first:] == ids_of("</think>A cat.<｜end▁of▁sentence｜>") and all(mask[first:])
+
+
+def test_processor_returns_lists_unless_asked_for_tensors(processor, photos):
+    from deepseek_v41_vl.processing.errors_deepseek_v41_vl import DeepseekV41ProcessorError
+
+    # transformers' processors: return_tensors=None by default (token columns as lists)
+    out = processor(images=[photos[1]], text=SHORT)
+    assert isinstance(out["input_ids"], list) and isinstance(out["mm_token_type_ids"][0], list)
+    assert isinstance(out["pixel_values"], torch.Tensor)  # the image processor's tensors, unchanged
+    pt = processor(images=[photos[1]], text=SHORT, return_tensors="pt")
+    assert out["input_ids"] == pt["input_ids"].tolist() and torch.equal(out["pixel_values"], pt["pixel_values"])
+    # without padding, unequal lengths are fine as lists, refused as tensors
+    texts = ["<｜begin▁of▁sentence｜>a", "<｜begin▁of▁sentence｜>a b c"]
+    assert [len(ids) for ids in processor(text=texts, padding=False)["input_ids"]] == [2, 4]
+    with pytest.raises(DeepseekV41ProcessorError, match="different lengths"):
+        processor(text=texts, padding=False, return_tensors="pt")

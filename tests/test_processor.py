@@ -110,7 +110,7 @@ def test_golden_prompt(name, prompts, processor, golden):
     # The reference tokenizes the whole prompt with default special-token handling: no BOS added.
     assert processor.tokenizer.encode(case["prompt"]) == case["tokenizer_encode"]
 
-    out = processor(text=case["prompt"], images=images or None)
+    out = processor(text=case["prompt"], images=images or None, return_tensors="pt")
     assert out["input_ids"].tolist() == [case["tokens"]]
     assert out["attention_mask"].tolist() == [[1] * len(case["tokens"])]
     assert out["mm_token_type_ids"].tolist() == [[int(t >= 0) for t in case["token_types"]]]
@@ -137,7 +137,7 @@ def test_golden_prompt(name, prompts, processor, golden):
 def test_error_missing_image(prompts, processor):
     case = _case(prompts, "error_missing_image")
     with pytest.raises(DeepseekV41ProcessorError) as info:
-        processor(text=case["prompt"], images=None)
+        processor(text=case["prompt"], images=None, return_tensors="pt")
     assert case["error"]["message"] in str(info.value)
     assert isinstance(info.value, ValueError)
 
@@ -145,7 +145,7 @@ def test_error_missing_image(prompts, processor):
 def test_error_undecodable_image(prompts, processor, golden):
     case = _case(prompts, "error_undecodable_image")
     with pytest.raises(DeepseekV41ImageError) as info:
-        processor(text=case["prompt"], images=_image_paths(golden, case))
+        processor(text=case["prompt"], images=_image_paths(golden, case), return_tensors="pt")
     assert case["error"]["message"] in str(info.value)
 
 
@@ -153,9 +153,9 @@ def test_more_images_than_placeholders_is_refused(prompts, processor, golden):
     case = _case(prompts, "one_image")
     extra = _image_paths(golden, _case(prompts, "image_at_start"))
     with pytest.raises(DeepseekV41ProcessorError, match="Found 1 image tokens but got 2 images"):
-        processor(text=case["prompt"], images=_image_paths(golden, case) + extra)
+        processor(text=case["prompt"], images=_image_paths(golden, case) + extra, return_tensors="pt")
     with pytest.raises(DeepseekV41ProcessorError, match="Found 0 image tokens but got 1 images"):
-        processor(text=_case(prompts, "text_only")["prompt"], images=extra)
+        processor(text=_case(prompts, "text_only")["prompt"], images=extra, return_tensors="pt")
 
 
 @pytest.mark.parametrize("name", ["one_image", "two_images", "image_at_start", "chinese_with_image", "thinking_effort"])
@@ -163,8 +163,8 @@ def test_spelling_independence(name, prompts, processor, processor_v4_spelling, 
     """`<｜image2｜>` (PyPI V4 spelling) and `<｜deepseek_image｜>` (V4.1) tokenizers give the same inputs."""
     case = _case(prompts, name)
     images = _image_paths(golden, case) or None
-    a = processor(text=case["prompt"], images=images)
-    b = processor_v4_spelling(text=case["prompt"], images=images)
+    a = processor(text=case["prompt"], images=images, return_tensors="pt")
+    b = processor_v4_spelling(text=case["prompt"], images=images, return_tensors="pt")
     assert processor_v4_spelling.tokenizer.convert_ids_to_tokens(IMAGE_TOKEN_ID) == V4_IMAGE_TOKEN
     assert processor.tokenizer.convert_ids_to_tokens(IMAGE_TOKEN_ID) == V41_IMAGE_TOKEN
     assert a.keys() == b.keys()
@@ -182,7 +182,7 @@ def test_batch_left_padding(prompts, processor, golden):
     short, long = _case(prompts, "one_image"), _case(prompts, "two_images")
     texts = [short["prompt"], _case(prompts, "text_only")["prompt"], long["prompt"]]
     nested = [_image_paths(golden, short), [], _image_paths(golden, long)]
-    out = processor(text=texts, images=nested)
+    out = processor(text=texts, images=nested, return_tensors="pt")
     width = len(long["tokens"])
     assert out["input_ids"].shape == (3, width)
     roles = processor.image_token_roles(out["mm_token_type_ids"], out["image_grid_thw"])
@@ -194,16 +194,16 @@ def test_batch_left_padding(prompts, processor, golden):
         assert out["attention_mask"][row].tolist() == [0] * fill + [1] * n
         assert out["mm_token_type_ids"][row].tolist() == [0] * fill + [int(t >= 0) for t in case["token_types"]]
         assert roles[row].tolist() == [-1] * fill + case["token_types"]
-    single = [processor(text=t, images=i or None) for t, i in zip(texts, nested)]
+    single = [processor(text=t, images=i or None, return_tensors="pt") for t, i in zip(texts, nested)]
     assert torch.equal(out["pixel_values"], torch.cat([s["pixel_values"] for s in single if "pixel_values" in s]))
     assert torch.equal(out["image_grid_thw"], torch.cat([s["image_grid_thw"] for s in single if "image_grid_thw" in s]))
 
     # A flat image list is assigned to the placeholders in order across the batch.
-    flat = processor(text=texts, images=nested[0] + nested[2])
+    flat = processor(text=texts, images=nested[0] + nested[2], return_tensors="pt")
     for key in out:
         assert torch.equal(out[key], flat[key]), key
 
-    right = processor(text=texts, images=nested, padding_side="right")
+    right = processor(text=texts, images=nested, padding_side="right", return_tensors="pt")
     assert right["input_ids"][0].tolist() == short["tokens"] + [pad_id] * (width - len(short["tokens"]))
     assert right["attention_mask"][0].tolist() == [1] * len(short["tokens"]) + [0] * (width - len(short["tokens"]))
 
@@ -211,7 +211,7 @@ def test_batch_left_padding(prompts, processor, golden):
 def test_batch_placeholder_count_is_checked_per_prompt(prompts, processor, golden):
     one = _case(prompts, "one_image")
     with pytest.raises(DeepseekV41ProcessorError, match="prompt 1: Found 0 image tokens but got 1 images"):
-        processor(text=[one["prompt"], "plain"], images=[_image_paths(golden, one), _image_paths(golden, one)])
+        processor(text=[one["prompt"], "plain"], images=[_image_paths(golden, one), _image_paths(golden, one)], return_tensors="pt")
 
 
 def test_roles_helper_matches_the_reference_layout():
@@ -231,11 +231,11 @@ def test_roles_helper_matches_the_reference_layout():
 
 def test_unknown_options_warn_and_bad_inputs_are_refused(processor):
     with pytest.warns(UserWarning, match=r"ignores the options \['foo'\]"):
-        processor(text="hi", foo=1)
+        processor(text="hi", foo=1, return_tensors="pt")
     with pytest.raises(DeepseekV41ProcessorError, match="videos"):
-        processor(text="hi", videos=[object()])
+        processor(text="hi", videos=[object()], return_tensors="pt")
     with pytest.raises(DeepseekV41ProcessorError):
-        processor(text=[1, 2])
+        processor(text=[1, 2], return_tensors="pt")
     assert issubclass(DeepseekV41ProcessorError, DeepseekV41ProcessingError)
 
 
@@ -262,7 +262,7 @@ def test_apply_chat_template_loads_the_images(prompts, processor, golden):
 def test_apply_chat_template_refuses_placeholder_in_message_text(processor):
     messages = [{"role": "user", "content": f"look {PLACEHOLDER}"}]
     with pytest.raises(DeepseekV41ProcessorError, match="image placeholder"):
-        processor.apply_chat_template(messages, tokenize=True, return_dict=True)
+        processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
 
 
 def test_post_process_image_text_to_text(processor):
@@ -284,8 +284,8 @@ def test_save_and_load_round_trip(tmp_path, prompts, processor, golden):
     assert (loaded.tokenizer.bos_token_id, loaded.tokenizer.eos_token_id, loaded.tokenizer.pad_token_id) == (0, 1, 2)
     assert loaded.tokenizer.convert_tokens_to_ids(PLACEHOLDER) == IMAGE_TOKEN_ID
     case = _case(prompts, "two_images")
-    a = processor(text=case["prompt"], images=_image_paths(golden, case))
-    b = loaded(text=case["prompt"], images=_image_paths(golden, case))
+    a = processor(text=case["prompt"], images=_image_paths(golden, case), return_tensors="pt")
+    b = loaded(text=case["prompt"], images=_image_paths(golden, case), return_tensors="pt")
     for key in a:
         assert torch.equal(a[key], b[key]), key
     messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "q"}]
@@ -321,7 +321,7 @@ def test_call_refuses_bad_text_and_option_values(kwargs, match, processor):
 
 
 def test_pad_to_multiple_of_rounds_the_padded_length_up(processor):
-    out = processor(text=["a", "bb cc"], pad_to_multiple_of=np.int64(8))
+    out = processor(text=["a", "bb cc"], pad_to_multiple_of=np.int64(8), return_tensors="pt")
     assert out["input_ids"].shape[1] == 8
     assert out["attention_mask"].sum(dim=1).tolist() == [len(processor.tokenizer.encode(t)) for t in ("a", "bb cc")]
 
@@ -331,11 +331,11 @@ def test_span_geometry_cannot_be_overridden_per_call(setting, processor):
     # downsample_ratio=2 built spans that `image_token_roles` (the model's ratio 3) could not read.
     image = Image.new("RGB", (60, 60))
     with pytest.raises(DeepseekV41ProcessorError, match="span geometry"):
-        processor(images=image, text=f"{PLACEHOLDER}x", images_kwargs=setting)
+        processor(images=image, text=f"{PLACEHOLDER}x", images_kwargs=setting, return_tensors="pt")
     with pytest.raises(DeepseekV41ProcessorError, match="span geometry"):
-        processor(images=image, images_kwargs=setting)
+        processor(images=image, images_kwargs=setting, return_tensors="pt")
     # Budget overrides keep the geometry and stay allowed.
-    out = processor(images=image, text=f"{PLACEHOLDER}x", images_kwargs={"max_image_tokens": 64})
+    out = processor(images=image, text=f"{PLACEHOLDER}x", images_kwargs={"max_image_tokens": 64}, return_tensors="pt")
     assert processor.image_token_roles(out["mm_token_type_ids"], out["image_grid_thw"]).shape == out["input_ids"].shape
 
 
@@ -358,7 +358,6 @@ def test_apply_chat_template_refuses_malformed_conversations(conversation, match
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"return_assistant_tokens_mask": True, "tokenize": True, "return_dict": True}, "generation"),
         ({"documents": [{"title": "t", "text": "x"}]}, "documents"),
         ({"continue_final_message": True, "add_generation_prompt": True}, "cannot be combined"),
     ],
@@ -398,13 +397,13 @@ def test_image_block_without_source_is_named(processor):
     ]:
         messages = [{"role": "user", "content": [block, {"type": "text", "text": "q"}]}]
         with pytest.raises(DeepseekV41ProcessorError, match=match):
-            processor.apply_chat_template(messages, tokenize=True, return_dict=True)
+            processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
 
 
 def test_video_block_is_refused_when_tokenizing(processor):
     messages = [{"role": "user", "content": [{"type": "video", "path": "x.mp4"}, {"type": "text", "text": "q"}]}]
     with pytest.raises(DeepseekV41ProcessorError, match="video"):
-        processor.apply_chat_template(messages, tokenize=True, return_dict=True)
+        processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
 
 
 # Distinct aspect ratios give distinct grids, so the test can tell which images were loaded.
@@ -472,7 +471,7 @@ def test_apply_chat_template_loads_only_the_rendered_images(messages, context_le
     kwargs = {"context_length": context_length, "render_stop": render_stop}
     text = processor.apply_chat_template(messages, **kwargs)
     assert text.count(PLACEHOLDER) == len(expected)
-    out = processor.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs, **_SMALL)
+    out = processor.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs, **_SMALL, return_tensors="pt")
     if not expected:
         assert "image_grid_thw" not in out and out["mm_token_type_ids"].sum() == 0
         return
@@ -490,11 +489,12 @@ def test_render_message_tokenizes_its_own_images_only(processor):
 
 def test_batched_conversations_get_their_own_images(processor):
     out = processor.apply_chat_template(
-        [_PLAIN[:1], _MERGED_USERS], tokenize=True, return_dict=True, context_length=1, **_SMALL
+        [_PLAIN[:1], _MERGED_USERS], tokenize=True, return_dict=True, context_length=1, **_SMALL,
+        return_tensors="pt",
     )
     # context_length=1 applies to both: the first renders nothing after message 0, the second B.
     assert out["image_grid_thw"].tolist() == _grids(processor, "B")
-    out = processor.apply_chat_template([_PLAIN[:1], _MERGED_USERS], tokenize=True, return_dict=True, **_SMALL)
+    out = processor.apply_chat_template([_PLAIN[:1], _MERGED_USERS], tokenize=True, return_dict=True, **_SMALL, return_tensors="pt")
     assert out["image_grid_thw"].tolist() == _grids(processor, "AAB")
     roles = processor.image_token_roles(out["mm_token_type_ids"], out["image_grid_thw"])
     assert (roles == 0).sum(dim=1).tolist() == [1, 2]
@@ -531,8 +531,8 @@ def test_auto_classes_load_the_processor(tmp_path, processor, golden):
     assert type(loaded) is DeepseekV41Processor
     assert loaded.image_processor.max_image_tokens == 64
     image = str(golden / "preprocess" / "images" / "chelsea.png")
-    out = loaded(images=image, text=f"{PLACEHOLDER}Describe.")
-    want = saved(images=image, text=f"{PLACEHOLDER}Describe.")
+    out = loaded(images=image, text=f"{PLACEHOLDER}Describe.", return_tensors="pt")
+    want = saved(images=image, text=f"{PLACEHOLDER}Describe.", return_tensors="pt")
     assert out.keys() == want.keys() and {"pixel_values", "image_grid_thw"} <= set(out)
     for key in out:
         assert torch.equal(out[key], want[key]), key
