@@ -7,7 +7,8 @@ transformers classes) -> `decoder_layer` (Engram, then mHC around attention and 
 by the cache); `moe`, `engram`, `hyper_connection`, `quantization`, `rope`, `layers` (RMSNorm, head)
 and `vision` beside them. Around the core: `numerics` (the one frozen plan of numerics and kernel
 backends every module holds), `image_spans` (the span geometry the processor and the CLI share),
-`loading` (from_pretrained / save_pretrained / device-map hooks), `checkpoint_names` and
+`conversation` (images in a later turn on a filled cache) and `prefix_store` (prefilled caches
+keyed by content), `loading` (from_pretrained / save_pretrained / device-map hooks), `checkpoint_names` and
 `state_dict_adapter` (the official checkpoint's names and load-time transforms), `cuda_graphs`
 (graph capture and replay of decode steps), `debug` (boundary capture for parity tests).
 

@@ -9,8 +9,9 @@ lives here, per sequence batch:
   position % W), the ratio>1 compressor's partial group (fp32 ``[B, ratio, D]``), and on KV-source
   layers the compressed KV and index keys (rows appended as groups complete);
 - globally: which KV source last published index keys (a reference detail the indexer reads), the
-  number of positions seen, and the Engram hash history (the last ``max_ngram_size - 1``
-  compressed ids per row, DEAD after image positions).
+  number of positions seen, the Engram hash history (the last ``max_ngram_size - 1``
+  compressed ids per row, DEAD after image positions), and how many images each row has taken
+  (``image_counts``, so that a later turn may pass the whole conversation's images).
 
 Besides the reference's prefill at position 0 followed by one-token steps, a prefill may come in
 chunks (forwards of several tokens on a non-empty cache) and batches may be left-padded (the rows'

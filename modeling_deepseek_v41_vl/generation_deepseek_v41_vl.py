@@ -17,7 +17,7 @@ from transformers.generation.logits_process import SuppressTokensLogitsProcessor
 
 from .cache_deepseek_v41_vl import DeepseekV41Cache
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
-from .image_spans_deepseek_v41_vl import image_span_length
+from .conversation_deepseek_v41_vl import images_per_row, select_images
 
 
 class DeepseekV41GenerationMixin(GenerationMixin):
@@ -75,7 +75,7 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         grid = torch.as_tensor(image_grid_thw)
         images = images_per_row(self.model, grid, (mm_token_type_ids != 0).sum(-1).tolist())
         order = [i for row in images for _ in range(expand_size) for i in row]
-        return _select_images(pixel_values, grid, order)
+        return select_images(pixel_values, grid, order)
 
     def _get_logits_processor(self, generation_config, *args, **kwargs):
         processors = super()._get_logits_processor(generation_config, *args, **kwargs)
@@ -85,94 +85,6 @@ class DeepseekV41GenerationMixin(GenerationMixin):
             device = kwargs.get("device") or self.device
             processors.append(SuppressTokensLogitsProcessor([self.config.image_token_id], device=device))
         return processors
-
-
-def images_per_row(transformer, grid: torch.Tensor, positions_per_row: list[int], skip: list[int] | None = None) -> list[range]:
-    """Which images (indices into `grid`, in order) fill each batch row's image positions, for
-    `transformer` (`DeepseekV41Transformer`, whose aligner fixes the span lengths).
-
-    `skip[r]` images of row r come first and are not counted in its positions (those already
-    in the cache, when `pixel_values` hold a whole conversation's images).
-
-    Raises:
-        DeepseekV41ModelError: the images' spans do not fill the rows' positions exactly.
-    """
-    span = [image_span_length(n_h, n_w) for n_h, n_w in transformer.image_llm_grids(grid)]
-    images, start = [], 0
-    for row, n_positions in enumerate(positions_per_row):
-        start += skip[row] if skip is not None else 0
-        end, covered = start, 0
-        while covered < n_positions and end < len(span):
-            covered, end = covered + span[end], end + 1
-        if covered != n_positions:
-            raise DeepseekV41ModelError(
-                f"a row has {n_positions} image positions, which the images' spans {span[start:]} do not fill"
-            )
-        images.append(range(start, end))
-        start = end
-    if start != len(span):
-        raise DeepseekV41ModelError(f"{len(span)} images for {start} image spans in the batch")
-    return images
-
-
-def continuation_images(transformer, input_ids, mm_token_type_ids, pixel_values, image_grid_thw, cache: DeepseekV41Cache):
-    """The image inputs of a forward on a filled cache (the next turn of a conversation).
-
-    `mm_token_type_ids` covers the new tokens (`generate` slices it); its image spans take
-    `pixel_values` holding either the new turn's images only, or the whole conversation's
-    (as the processor renders it), whose first images (`cache.image_counts` per row) are
-    already in the cache and are dropped. Returns ``(mm_token_type_ids, pixel_values,
-    image_grid_thw)`` for the forward (all None when the new tokens hold no image).
-
-    Raises:
-        DeepseekV41ModelError: `mm_token_type_ids` not as long as the new tokens; images that
-            are neither the new ones nor all of them.
-    """
-    if mm_token_type_ids is not None and mm_token_type_ids.shape != input_ids.shape:
-        raise DeepseekV41ModelError(
-            f"on a filled cache mm_token_type_ids must cover the new tokens {tuple(input_ids.shape)}, "
-            f"got {tuple(mm_token_type_ids.shape)}"
-        )
-    if mm_token_type_ids is None or not bool((mm_token_type_ids != 0).any()):
-        # decode steps, or a text turn: the images given (the conversation's) must all be cached
-        given = 0 if image_grid_thw is None else len(torch.as_tensor(image_grid_thw))
-        cached = 0 if cache.image_counts is None else int(cache.image_counts.sum())
-        if pixel_values is not None and given != cached:
-            raise DeepseekV41ModelError(
-                f"{given} images for a cache that holds {cached} and new tokens with no image span: mark the new "
-                "turn's image spans in mm_token_type_ids"
-            )
-        return None, None, None
-    if pixel_values is None or image_grid_thw is None:
-        return mm_token_type_ids, pixel_values, image_grid_thw  # the forward names what is missing
-    grid = torch.as_tensor(image_grid_thw)
-    positions = (mm_token_type_ids != 0).sum(-1).tolist()
-    cached = [0] * len(positions) if cache.image_counts is None else cache.image_counts.tolist()
-    if sum(cached) and len(grid) > sum(cached):
-        try:  # the whole conversation's images: keep each row's new ones
-            order = [i for row in images_per_row(transformer, grid, positions, cached) for i in row]
-            return (mm_token_type_ids, *_select_images(pixel_values, grid, order))
-        except DeepseekV41ModelError:
-            pass  # not the whole conversation's: the check below names the mismatch
-    images_per_row(transformer, grid, positions)
-    return mm_token_type_ids, pixel_values, grid
-
-
-def count_images(transformer, cache: DeepseekV41Cache | None, mm_token_type_ids, image_grid_thw) -> None:
-    """Add each row's images of a successful forward to `cache.image_counts`."""
-    if cache is None or mm_token_type_ids is None or image_grid_thw is None:
-        return
-    grid = torch.as_tensor(image_grid_thw)
-    rows = images_per_row(transformer, grid, (mm_token_type_ids != 0).sum(-1).tolist())
-    counts = torch.tensor([len(r) for r in rows], dtype=torch.long)
-    cache.image_counts = counts if cache.image_counts is None else cache.image_counts + counts
-
-
-def _select_images(pixel_values: torch.Tensor, grid: torch.Tensor, order: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The patch rows and grid rows of images `order` (indices, in that order)."""
-    offsets = [0, *grid.prod(-1).cumsum(0).tolist()]  # pixel_values rows of each image
-    rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in order]).to(pixel_values.device)
-    return pixel_values.index_select(0, rows), grid[torch.tensor(order, dtype=torch.long)].to(grid.device)
 
 
 def _warn_if_reasoning_cut(generation_config, eos_token_id, prompt, output) -> None:

@@ -58,7 +58,8 @@ from .cuda_graphs_deepseek_v41_vl import decode_layers
 from .decoder_layer_deepseek_v41_vl import DeepseekV41DecoderLayer
 from .engram_deepseek_v41_vl import DeepseekV41Engram, DeepseekV41EngramHash
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
-from .generation_deepseek_v41_vl import DeepseekV41GenerationMixin, continuation_images, count_images
+from .conversation_deepseek_v41_vl import continuation_images, count_images
+from .generation_deepseek_v41_vl import DeepseekV41GenerationMixin
 from .hyper_connection_deepseek_v41_vl import DeepseekV41HyperConnection, identity_pre_mix
 from .image_spans_deepseek_v41_vl import check_image_spans, image_span_length, llm_grid, parse_image_grid
 from .layers_deepseek_v41_vl import DeepseekV41Head, DeepseekV41EmbeddingsMixin, DeepseekV41RMSNorm, default_dtype
@@ -277,7 +278,7 @@ class DeepseekV41Transformer(nn.Module):
             input_ids: int64 ``[B, S]``; image-span positions carry `image_token_id`.
             mm_token_type_ids: int ``[B, S]``, 1 on every image-span position; None for text.
             pixel_values: ``[total_patches, 588]`` (or ``[total_patches, 3, 14, 14]``), the images
-                of all spans in order; only at position 0.
+                of this forward's spans in order (whole spans; at any position).
             image_grid_thw: int ``[n_images, 3]``, rows ``(1, n_vit_h, n_vit_w)``.
             cache: a :class:`DeepseekV41Cache` to continue (decode) or fill (prefill);
                 None runs a standalone prefill.
@@ -299,9 +300,9 @@ class DeepseekV41Transformer(nn.Module):
         Raises:
             DeepseekV41ModelError: `input_ids` that are not integer ids in ``[0, vocab_size)`` or
                 hold no token; a step outside `torch.inference_mode()` on a cache filled inside
-                it; images after position 0 or without span marks, spans that do not fit the
-                images or hold other ids than `image_token_id`, `image_span_embeds` rows that do
-                not match the marked positions.
+                it; images without span marks, spans that do not fit the images or hold other
+                ids than `image_token_id`, `image_span_embeds` rows that do not match the marked
+                positions.
             DeepseekV41AttentionError: a forward after position 0 on a cache without a prefill,
                 an attention mask that is not a left padding of every position so far, or one
                 whose padding of the positions already cached differs from the cache's.
@@ -374,6 +375,8 @@ class DeepseekV41Transformer(nn.Module):
             collected.append(hidden)
         if cache is not None:
             cache.record_tokens(input_ids.size(1))
+            if pixel_values is not None:  # a later turn given the conversation's images skips these
+                count_images(self, cache, mm_token_type_ids, image_grid_thw)
 
         if logits_to_keep == 1:
             # the reference's default: the GEMM over [B, D] (bitwise what it returns)
@@ -597,7 +600,7 @@ class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
             mm_token_type_ids, pixel_values, image_grid_thw = continuation_images(
                 self.model, input_ids, mm_token_type_ids, pixel_values, image_grid_thw, cache
             )
-        out = self.model(
+        return self.model(
             input_ids,
             attention_mask=attention_mask,
             mm_token_type_ids=mm_token_type_ids,
@@ -607,8 +610,6 @@ class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
             logits_to_keep=logits_to_keep,
             output_hidden_states=self.config.output_hidden_states if output_hidden_states is None else output_hidden_states,
         )
-        count_images(self.model, cache, mm_token_type_ids if pixel_values is not None else None, image_grid_thw)
-        return out
 
 
 class DeepseekV41Model(DeepseekV41EmbeddingsMixin, DeepseekV41PreTrainedModel):
@@ -651,10 +652,10 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41EmbeddingsMixin, DeepseekV4
     """DeepSeek-V4.1-Flash with image input, for `generate`, `AutoModelForImageTextToText` and the
     ``image-text-to-text`` pipeline. Mirrors `inference/model.py: Transformer` + `generate.py`.
 
-    Generation follows the reference: one prefill from position 0 (images are encoded there, once
-    each), then one token per step through :class:`DeepseekV41Cache`; `mm_token_type_ids` is
-    extended with zeros by `generate` and the new positions are text. The image token id is never
-    generated (it is suppressed in logits processing).
+    Generation follows the reference: one prefill (images are encoded there, once each), then one
+    token per step through :class:`DeepseekV41Cache`; `mm_token_type_ids` is extended with zeros by
+    `generate` and the new positions are text. A conversation's next turn (new images included)
+    continues a filled cache. The image token id is never generated (it is suppressed).
 
     Padding: batches are left-padded by the processor and `attention_mask` reaches the backbone,
     where positions, the window, the compressors' groups and the Engram look-back count from each
@@ -686,7 +687,7 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41EmbeddingsMixin, DeepseekV4
         return_dict: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
-        """Prefill (empty or no cache) or a one-token decode step.
+        """Prefill (empty or no cache), a next turn on a filled cache, or a one-token decode step.
 
         Args:
             input_ids: int64 ``[B, S]``; every image-span position carries `image_token_id`.
@@ -694,7 +695,8 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41EmbeddingsMixin, DeepseekV4
                 pads as tokens, see the class doc; right padding (training batches) is accepted
                 without a cache and changes nothing for the real tokens.
             mm_token_type_ids: int ``[B, S]``, 1 on image-span positions (processor output).
-            pixel_values: float ``[total_patches, 588]``; prefill only. image_grid_thw: int
+            pixel_values: float ``[total_patches, 588]``, the new spans' images (on a filled cache
+                also the whole conversation's: `continuation_images`). image_grid_thw: int
                 ``[n_images, 3]`` rows ``(1, n_vit_h, n_vit_w)``.
             cache / past_key_values: a :class:`DeepseekV41Cache`; a new one is made when
                 `use_cache` (default `text_config.use_cache`) and none is given.
@@ -714,7 +716,7 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41EmbeddingsMixin, DeepseekV4
 
         Raises:
             DeepseekV41ModelError: inputs_embeds, a cache of another type, image spans that do not
-                fit the images, images after position 0.
+                fit the images (see `continuation_images` for a filled cache).
             DeepseekV41AttentionError: more than one token per decode step.
         """
         if labels is not None:

@@ -7,7 +7,8 @@ becomes the image span
 
 and every span position carries `image_token_id` (129264). Only the role of a position tells the
 START / IMAGE / NEWLINE / END rows apart; it follows from `image_grid_thw` (see
-:func:`image_token_roles`), so the model inputs are transformers' usual ones:
+:func:`image_token_roles`), so the model inputs are transformers' usual ones (with
+``return_tensors="pt"``; by default the token columns are lists, as transformers' processors give):
 
     input_ids          int64 [B, S]   text ids; 129264 on every span position
     attention_mask     int64 [B, S]   0 on padding (left padding by default, for generation)
@@ -367,17 +368,18 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
             return_offsets_mapping (`bool`, default False): add `offset_mapping`, each token's
                 `(start, end)` characters in its prompt; an image span's tokens (expanded from the
                 placeholder as ids, not as text) and special or pad tokens are `(p, p)`, zero wide.
-            return_text_replacement_offsets (`bool`, default False): add
-                `text_replacement_offsets`, one empty list per prompt: the offsets above already
-                count the prompt's own characters, no text was replaced (what
-                `apply_chat_template(return_assistant_tokens_mask=True)` asks for).
+            return_text_replacement_offsets (`bool`): accepted, and nothing is added: no text is
+                replaced (the spans expand as ids), so the offsets above already count the
+                prompt's own characters (what `apply_chat_template(return_assistant_tokens_mask=True)`
+                needs).
             images_kwargs (`dict`, *optional*) and `allow_urls` (`bool`): passed to the image
                 processor. `patch_size` and `downsample_ratio` cannot be overridden per call: they
                 fix the span geometry, which must match the model's aligner (set them on the image
                 processor, e.g. `DeepseekV41ImageProcessor.from_vision_config`).
 
         Returns:
-            `BatchFeature` with input_ids, attention_mask, mm_token_type_ids and, with images,
+            `BatchFeature` with input_ids, attention_mask, mm_token_type_ids (lists by default,
+            tensors with `return_tensors`), `offset_mapping` when asked, and with images
             pixel_values and image_grid_thw (shapes in the module docstring).
 
         Raises:
@@ -465,8 +467,6 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
             columns["offset_mapping"] = offsets
         self._truncate(columns, kwargs)
         data = self._pad(columns, kwargs)
-        if kwargs.get("return_text_replacement_offsets"):
-            data["text_replacement_offsets"] = [[] for _ in prompts]
         data.update(image_inputs)
         return BatchFeature(data=data, tensor_type=return_tensors)
 

@@ -409,8 +409,8 @@ def test_resize_is_checked_before_anything_changes_and_reaches_the_backbone_clas
 
 
 def test_return_assistant_tokens_mask_marks_what_the_assistant_generates(processor, photos):
-    # the template's {% generation %} blocks: an earlier assistant turn (thinking dropped before
-    # the last user turn) and its EOS are 1; headers, user turns and the image span are 0
+    # the template's {% generation %} blocks: each assistant turn's text and EOS are 1; headers,
+    # user turns and the image span are 0 (chat mode; thinking mode below)
     messages = [
         {"role": "user", "content": [{"type": "image", "url": photos[0]}, {"type": "text", "text": "What is it?"}]},
         {"role": "assistant", "content": "A cat."},
@@ -418,7 +418,7 @@ def test_return_assistant_tokens_mask_marks_what_the_assistant_generates(process
         {"role": "assistant", "content": "Orange."},
     ]
     out = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, return_tensors="pt")
-    # transformers leaves `assistant_masks` as lists when return_tensors is the processor's default
+    # transformers converts `assistant_masks` only when return_tensors reaches apply_chat_template
     ids, mask = out["input_ids"][0].tolist(), torch.as_tensor(out["assistant_masks"])[0].tolist()
     assert len(mask) == len(ids) and set(mask) == {0, 1}
     tok = processor.tokenizer

@@ -223,9 +223,13 @@ def test_decode_step_with_pixels_or_image_positions_is_refused(model, vl_run):
     with torch.no_grad():
         model(**inputs, cache=cache, logits_to_keep=1)
         step = torch.tensor([[7]])
-        with pytest.raises(DeepseekV41ModelError, match="position 0"):
+        # one marked position cannot hold an image's span (the prompt's images are already cached)
+        with pytest.raises(DeepseekV41ModelError, match="do not fill"):
             model(step, pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
                   mm_token_type_ids=torch.ones_like(step), cache=cache)
+        # image ids in a text step
+        with pytest.raises(DeepseekV41ModelError, match="outside an image span"):
+            model(torch.tensor([[model.config.image_token_id]]), cache=cache)
         with pytest.raises(DeepseekV41ModelError, match="inputs_embeds"):
             model(inputs_embeds=torch.zeros(1, 1, 256))
         from transformers import DynamicCache
