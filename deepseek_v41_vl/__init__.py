@@ -39,6 +39,10 @@ def register_auto_classes() -> None:
     AutoModel.register(DeepseekV41Config, DeepseekV41Model, exist_ok=True)
     AutoModelForImageTextToText.register(DeepseekV41Config, DeepseekV41ForConditionalGeneration, exist_ok=True)
     AutoModelForCausalLM.register(DeepseekV41Config, DeepseekV41ForCausalLM, exist_ok=True)
+    import transformers
+
+    if hasattr(transformers, "AutoModelForMultimodalLM"):  # what `transformers serve` loads multimodal models with
+        transformers.AutoModelForMultimodalLM.register(DeepseekV41Config, DeepseekV41ForConditionalGeneration, exist_ok=True)
     from .conversion.bundle import bundle_processor_code, bundle_remote_code
     from .modeling.loading_deepseek_v41_vl import DeepseekV41LoadingMixin
     from .processing.remote_code_deepseek_v41_vl import ProcessorSaveMixin

@@ -11,6 +11,8 @@ Subcommands:
                (`deepseek_v41_vl.conversion.convert.convert_checkpoint`).
     make-tiny  A small random checkpoint in the official format, with the real tokenizer
                (`deepseek_v41_vl.conversion.make_tiny.make_tiny`).
+    serve      transformers' OpenAI-compatible server (`transformers serve`, its arguments) with
+               the model loadable (`deepseek_v41_vl.serve`).
 """
 
 from __future__ import annotations
@@ -101,6 +103,9 @@ def _build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--variant", choices=["fp8", "bf16"], default="fp8", help="fp8 linears + fp4 experts, or all bf16")
     tiny.add_argument("--mtp", action="store_true", help="add one DSpark/MTP block (mtp.0.*)")
     tiny.add_argument("--force", action="store_true", help="replace an existing DIR")
+
+    srv = sub.add_parser("serve", help="transformers serve (OpenAI-compatible /v1/chat/completions) with this model")
+    srv.add_argument("args", nargs=argparse.REMAINDER, help="`transformers serve` arguments: FOLDER, --port, --device ...")
     return parser
 
 
@@ -251,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
             return _convert(args)
         if args.command == "make-tiny":
             return _make_tiny(args)
+        if args.command == "serve":
+            from .serve import serve
+
+            return serve(args.args)
     except ValueError as err:  # the project's errors are ValueError subclasses with clear messages
         print(f"deepseek-v41-vl {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -77,7 +77,7 @@ def probe_report() -> str:
     tests then fail on their own, each naming the missing fixtures)."""
     try:
         same, detail = _probe()
-    except RuntimeError as err:
+    except (RuntimeError, OSError) as err:  # no fixtures, or an incomplete copy
         return f"fixture CPU: not probed ({err})"
     verdict = "bit-exact golden comparisons" if same else "golden comparisons within stated bounds, reported xfailed"
     return f"fixture CPU: {'yes' if same else 'no'} ({detail}) -> {verdict}"
