@@ -33,11 +33,18 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         `</think>` (its left-padded prompt ends with `<think>`, and it generated neither `</think>`
         nor EOS). The `<think>` / `</think>` ids come from the model's generation config
         (`think_start_token_id` / `think_end_token_id`, written by the conversion); without them
-        there is no check."""
-        output = super().generate(*args, **kwargs)
+        there is no check.
+
+        Raises:
+            DeepseekV41ModelError: `input_ids` that are not a tensor; a filled `cache` (or
+                `past_key_values`) with `input_ids` that do not hold more than the cached tokens
+                (give the whole conversation), or an `attention_mask` of another length.
+        """
         prompt = args[0] if args else kwargs.get("inputs")
         if prompt is None:
             prompt = kwargs.get("input_ids")
+        _check_continuation(prompt, kwargs.get("attention_mask"), kwargs.get("cache", kwargs.get("past_key_values")))
+        output = super().generate(*args, **kwargs)
         user = kwargs.get("generation_config")
         eos = kwargs.get("eos_token_id", getattr(user, "eos_token_id", None))
         if eos is None:
@@ -85,6 +92,28 @@ class DeepseekV41GenerationMixin(GenerationMixin):
             device = kwargs.get("device") or self.device
             processors.append(SuppressTokensLogitsProcessor([self.config.image_token_id], device=device))
         return processors
+
+
+def _check_continuation(input_ids, attention_mask, cache) -> None:
+    """Refuse the generate() inputs transformers would silently misread (see `generate`)."""
+    if input_ids is not None and not isinstance(input_ids, torch.Tensor):
+        raise DeepseekV41ModelError(
+            f"input_ids must be a torch tensor, got {type(input_ids).__name__}: pass return_tensors='pt' to the processor"
+        )
+    cached = cache.get_seq_length() if isinstance(cache, DeepseekV41Cache) else 0
+    if input_ids is None or not cached:
+        return
+    # transformers feeds input_ids[:, cached:]: they must be the whole conversation, not the new turn
+    if input_ids.size(1) <= cached:
+        raise DeepseekV41ModelError(
+            f"the cache holds {cached} tokens and input_ids {input_ids.size(1)}: on a filled cache give the whole "
+            "conversation (the cached tokens, then the new ones)"
+        )
+    if attention_mask is not None and attention_mask.size(-1) != input_ids.size(1):
+        raise DeepseekV41ModelError(
+            f"attention_mask covers {attention_mask.size(-1)} positions, input_ids {input_ids.size(1)}: give the mask "
+            "of the whole conversation"
+        )
 
 
 def _warn_if_reasoning_cut(generation_config, eos_token_id, prompt, output) -> None:

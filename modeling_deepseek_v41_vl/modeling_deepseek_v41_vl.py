@@ -307,8 +307,9 @@ class DeepseekV41Transformer(nn.Module):
                 an attention mask that is not a left padding of every position so far, or one
                 whose padding of the positions already cached differs from the cache's.
         """
-        if input_ids.dim() != 2:
-            raise DeepseekV41ModelError(f"input_ids must be [batch, seq], got {tuple(input_ids.shape)}")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise DeepseekV41ModelError(f"input_ids must be a [batch, seq] tensor (processor: return_tensors='pt'), got {got}")
         if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
             raise DeepseekV41ModelError(f"input_ids must be integer token ids, got {input_ids.dtype}")
         if input_ids.numel() == 0:

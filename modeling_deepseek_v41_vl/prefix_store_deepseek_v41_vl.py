@@ -57,7 +57,7 @@ class DeepseekV41PrefixStore:
             raise DeepseekV41PrefixStoreError("pixel_values and image_grid_thw come together")
         digests = []
         if pixels is not None:
-            grid = torch.as_tensor(grid)
+            pixels, grid = torch.as_tensor(pixels), torch.as_tensor(grid)
             start = 0
             for row in grid.tolist():
                 rows = pixels[start : start + row[0] * row[1] * row[2]].contiguous().cpu()
@@ -68,16 +68,19 @@ class DeepseekV41PrefixStore:
         return tuple(ids[0].tolist()), tuple(digests)
 
     def put(self, inputs: Mapping, cache: DeepseekV41Cache) -> None:
-        """Store a deep copy of `cache`, which holds exactly the prompt `inputs`.
+        """Store a deep copy of `cache`, which holds exactly the prompt `inputs` (its lengths, tokens
+        and images, are checked; that they are this prompt's is the caller's word).
 
         Raises:
-            DeepseekV41PrefixStoreError: the cache holds another number of tokens than the prompt.
+            DeepseekV41PrefixStoreError: the cache holds another number of tokens or images than
+                the prompt.
         """
         key = self.key(inputs)
-        if cache.get_seq_length() != len(key[0]):
+        images = 0 if cache.image_counts is None else int(cache.image_counts.sum())
+        if cache.get_seq_length() != len(key[0]) or images != len(key[1]):
             raise DeepseekV41PrefixStoreError(
-                f"the cache holds {cache.get_seq_length()} tokens, the prompt {len(key[0])}: store the cache of "
-                "exactly this prompt"
+                f"the cache holds {cache.get_seq_length()} tokens and {images} images, the prompt {len(key[0])} and "
+                f"{len(key[1])}: store the cache of exactly this prompt"
             )
         self._entries[key] = copy.deepcopy(cache)
         self._entries.move_to_end(key)

@@ -105,6 +105,24 @@ def test_generate_continues_a_conversation_with_a_new_image(model, turns):
     assert cache.image_counts.tolist() == [2] and more[0, length].item() == pick.item()
 
 
+def test_generate_refuses_a_continuation_it_would_misread(model, turns):
+    # transformers feeds input_ids[:, cached:]: the new turn alone, or a mask of the new turn only,
+    # would silently lose tokens or re-feed the conversation
+    first, second, whole = turns
+    cache = DeepseekV41Cache(model.config)
+    _prefill(model, first, cache)
+    with pytest.raises(DeepseekV41ModelError, match="give the whole conversation"):
+        model.generate(**second, cache=cache, max_new_tokens=1)
+    n = first["input_ids"].size(1)
+    with pytest.raises(DeepseekV41ModelError, match="give the mask of the whole conversation"):
+        model.generate(**{**whole, "attention_mask": whole["attention_mask"][:, n:]}, cache=cache, max_new_tokens=1)
+    with pytest.raises(DeepseekV41ModelError, match="return_tensors='pt'"):
+        model.generate(input_ids=whole["input_ids"].tolist(), max_new_tokens=1)
+    with pytest.raises(DeepseekV41ModelError, match="return_tensors='pt'"):
+        model(input_ids=whole["input_ids"].tolist())
+    assert cache.get_seq_length() == n  # the refusals changed nothing
+
+
 def test_images_the_new_tokens_do_not_place_are_refused(model, tiny_processor, turns):
     first, second, whole = turns
     cache = DeepseekV41Cache(model.config)

@@ -79,8 +79,16 @@ def test_the_store_refuses_what_it_cannot_key(model, tiny_processor):
         store.key({"input_ids": torch.cat([red["input_ids"]] * 2)})
     with pytest.raises(DeepseekV41PrefixStoreError, match="come together"):
         store.key({"input_ids": red["input_ids"], "pixel_values": red["pixel_values"]})
-    with pytest.raises(DeepseekV41PrefixStoreError, match="the cache holds 0 tokens"):
+    with pytest.raises(DeepseekV41PrefixStoreError, match="the cache holds 0 tokens and 0 images"):
         store.put(red, DeepseekV41Cache(model.config))
+    text_only = DeepseekV41Cache(model.config)  # as many tokens as the image prompt, but no image
+    with torch.no_grad():
+        model(torch.ones_like(red["input_ids"]), cache=text_only)
+    with pytest.raises(DeepseekV41PrefixStoreError, match="0 images, the prompt"):
+        store.put(red, text_only)
+    # numpy inputs (return_tensors="np") key as the tensors do
+    as_numpy = {k: v.numpy() for k, v in red.items()}
+    assert store.key(as_numpy) == store.key(red)
     with pytest.raises(DeepseekV41PrefixStoreError, match="max_entries"):
         DeepseekV41PrefixStore(max_entries=0)
     # least recently used goes first
