@@ -92,3 +92,14 @@ def test_streaming_gives_the_same_text(server, photos):
 def test_the_models_endpoint_lists_the_folder(server):
     client, name = server
     assert name in [m.id for m in client.models.list().data]
+
+
+def test_a_refused_image_is_a_400_naming_the_problem_and_the_server_goes_on(server, photos):
+    client, name = server
+    strict = client.with_options(max_retries=0)  # a dropped connection would show, not be retried
+    broken = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}},
+                                          {"type": "text", "text": "What is it?"}]}
+    with pytest.raises(openai.BadRequestError, match="base64"):
+        strict.chat.completions.create(model=name, messages=[broken], max_tokens=2)
+    reply = strict.chat.completions.create(model=name, messages=[_image_message(photos[1], "And now?")], max_tokens=2)
+    assert reply.usage.completion_tokens == 2
