@@ -95,6 +95,15 @@ def converted_tiny_fp8(golden, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def tiny_model(converted_tiny_fp8):
+    """The converted golden `model_tiny_fp8` folder through `AutoModelForImageTextToText`, in exact
+    numerics (a module's tests share it; none changes its weights)."""
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(converted_tiny_fp8, numerics="exact")
+
+
+@pytest.fixture(scope="module")
 def tiny_processor(converted_tiny_fp8):
     """`AutoProcessor` of the converted golden `model_tiny_fp8` folder."""
     from transformers import AutoProcessor

@@ -33,8 +33,8 @@ LONG = "<｜begin▁of▁sentence｜><｜User｜><｜deepseek_image｜><｜deeps
 
 
 @pytest.fixture(scope="module")
-def model(converted_tiny_fp8):
-    return AutoModelForImageTextToText.from_pretrained(converted_tiny_fp8, numerics="exact")
+def model(tiny_model):
+    return tiny_model
 
 
 def test_return_dict_false_returns_a_tuple_loss_first(converted_tiny_fp8, model, processor):

@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForImageTextToText
 
 import deepseek_v41_vl  # noqa: F401  (registers the Auto classes)
 from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
@@ -25,11 +24,6 @@ TURN2 = "<｜User｜><｜deepseek_image｜>And this one?<｜Assistant｜></think
 
 
 @pytest.fixture(scope="module")
-def model(converted_tiny_fp8):
-    return AutoModelForImageTextToText.from_pretrained(converted_tiny_fp8, numerics="exact")
-
-
-@pytest.fixture(scope="module")
 def turns(tiny_processor, photos):
     first = tiny_processor(images=[photos[0]], text=TURN1, return_tensors="pt")
     second = tiny_processor(images=[photos[1]], text=TURN2, add_special_tokens=False, return_tensors="pt")
@@ -38,23 +32,23 @@ def turns(tiny_processor, photos):
     return first, second, whole
 
 
-def _prefill(model, inputs, cache):
+def _prefill(tiny_model, inputs, cache):
     with torch.no_grad():
-        return model(**inputs, past_key_values=cache, logits_to_keep=0).logits
+        return tiny_model(**inputs, past_key_values=cache, logits_to_keep=0).logits
 
 
-def test_an_image_in_the_second_turn_continues_like_one_prefill(model, turns):
+def test_an_image_in_the_second_turn_continues_like_one_prefill(tiny_model, turns):
     first, second, whole = turns
     with torch.no_grad():
-        want = model(**whole, use_cache=False, logits_to_keep=0).logits
+        want = tiny_model(**whole, use_cache=False, logits_to_keep=0).logits
     n = first["input_ids"].size(1)
     for images in ("new", "all"):
-        cache = DeepseekV41Cache(model.config)
+        cache = DeepseekV41Cache(tiny_model.config)
         cache.attention.prefill_length = whole["input_ids"].size(1)  # rank the indexer as one prefill does
-        _prefill(model, first, cache)
+        _prefill(tiny_model, first, cache)
         assert cache.image_counts.tolist() == [1]
         pixels = {k: (second if images == "new" else whole)[k] for k in ("pixel_values", "image_grid_thw")}
-        got = _prefill(model, {**{k: second[k] for k in ("input_ids", "mm_token_type_ids")}, **pixels}, cache)
+        got = _prefill(tiny_model, {**{k: second[k] for k in ("input_ids", "mm_token_type_ids")}, **pixels}, cache)
         assert cache.image_counts.tolist() == [2]
         # bit for bit where the CPU sums like the fixture machine (golden_bits.py), bounded elsewhere
         assert_golden(got, want[:, n:], f"second turn with {images} images", rel_l2=CHAIN_REL_L2)
@@ -64,33 +58,33 @@ def test_an_image_in_the_second_turn_continues_like_one_prefill(model, turns):
             assert torch.equal(got, new_only)  # the conversation's images or the turn's: one computation
 
 
-def test_without_the_prompt_length_a_later_turn_stays_within_the_chunk_bounds(model, turns):
+def test_without_the_prompt_length_a_later_turn_stays_within_the_chunk_bounds(tiny_model, turns):
     """A real conversation cannot tell the cache its final length: the indexer then ranks the
     positions that exist so far, as a chunked prefill without `prefill_length` does
     (test_chunked_prefill.py), so exact top-k ties may resolve otherwise than in one prefill."""
     first, second, whole = turns
     with torch.no_grad():
-        want = model(**whole, use_cache=False, logits_to_keep=0).logits[:, first["input_ids"].size(1) :]
-    cache = DeepseekV41Cache(model.config)
-    _prefill(model, first, cache)
-    got = _prefill(model, {k: second[k] for k in ("input_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw")}, cache)
+        want = tiny_model(**whole, use_cache=False, logits_to_keep=0).logits[:, first["input_ids"].size(1) :]
+    cache = DeepseekV41Cache(tiny_model.config)
+    _prefill(tiny_model, first, cache)
+    got = _prefill(tiny_model, {k: second[k] for k in ("input_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw")}, cache)
     assert rel_l2(got, want) < LOGITS_REL_L2
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= ARGMAX_AGREEMENT
 
 
-def test_a_cache_of_another_batch_is_refused(model, turns):
+def test_a_cache_of_another_batch_is_refused(tiny_model, turns):
     first, second, _ = turns
-    cache = DeepseekV41Cache(model.config)
-    _prefill(model, first, cache)
+    cache = DeepseekV41Cache(tiny_model.config)
+    _prefill(tiny_model, first, cache)
     two = {k: torch.cat([second[k], second[k]]) for k in ("input_ids", "mm_token_type_ids")}
     images = {k: torch.cat([second[k], second[k]]) for k in ("pixel_values", "image_grid_thw")}
     with pytest.raises(DeepseekV41ModelError, match="the cache holds 1 batch rows, the new tokens 2"):
-        _prefill(model, {**two, **images}, cache)
+        _prefill(tiny_model, {**two, **images}, cache)
 
 
-def test_generate_continues_a_conversation_with_a_new_image(model, turns):
+def test_generate_continues_a_conversation_with_a_new_image(tiny_model, turns):
     first, _, whole = turns
-    out = model.generate(**first, do_sample=False, max_new_tokens=1, return_dict_in_generate=True)
+    out = tiny_model.generate(**first, do_sample=False, max_new_tokens=1, return_dict_in_generate=True)
     cache = out.past_key_values
     # the next turn as the processor renders the whole conversation: its ids and all its images
     n = cache.get_seq_length()
@@ -98,61 +92,61 @@ def test_generate_continues_a_conversation_with_a_new_image(model, turns):
     # the first new token is the greedy pick after the new turn fed to (a copy of) this cache
     turn = {k: whole[k][:, n:] for k in ("input_ids", "mm_token_type_ids")}
     pixels = {k: whole[k] for k in ("pixel_values", "image_grid_thw")}
-    pick = _prefill(model, {**turn, **pixels}, copy.deepcopy(cache))[:, -1].argmax(-1)
-    more = model.generate(**whole, cache=cache, do_sample=False, max_new_tokens=4)
+    pick = _prefill(tiny_model, {**turn, **pixels}, copy.deepcopy(cache))[:, -1].argmax(-1)
+    more = tiny_model.generate(**whole, cache=cache, do_sample=False, max_new_tokens=4)
     length = whole["input_ids"].size(1)
     assert cache.get_seq_length() == length + 3  # only the new turn was fed, then 3 decode steps
     assert cache.image_counts.tolist() == [2] and more[0, length].item() == pick.item()
 
 
-def test_generate_refuses_a_continuation_it_would_misread(model, turns):
+def test_generate_refuses_a_continuation_it_would_misread(tiny_model, turns):
     # transformers feeds input_ids[:, cached:]: the new turn alone, or a mask of the new turn only,
     # would silently lose tokens or re-feed the conversation
     first, second, whole = turns
-    cache = DeepseekV41Cache(model.config)
-    _prefill(model, first, cache)
+    cache = DeepseekV41Cache(tiny_model.config)
+    _prefill(tiny_model, first, cache)
     with pytest.raises(DeepseekV41ModelError, match="give the whole conversation"):
-        model.generate(**second, cache=cache, max_new_tokens=1)
+        tiny_model.generate(**second, cache=cache, max_new_tokens=1)
     n = first["input_ids"].size(1)
     with pytest.raises(DeepseekV41ModelError, match="give the mask of the whole conversation"):
-        model.generate(**{**whole, "attention_mask": whole["attention_mask"][:, n:]}, cache=cache, max_new_tokens=1)
+        tiny_model.generate(**{**whole, "attention_mask": whole["attention_mask"][:, n:]}, cache=cache, max_new_tokens=1)
     with pytest.raises(DeepseekV41ModelError, match="return_tensors='pt'"):
-        model.generate(input_ids=whole["input_ids"].tolist(), max_new_tokens=1)
+        tiny_model.generate(input_ids=whole["input_ids"].tolist(), max_new_tokens=1)
     with pytest.raises(DeepseekV41ModelError, match="return_tensors='pt'"):
-        model(input_ids=whole["input_ids"].tolist())
+        tiny_model(input_ids=whole["input_ids"].tolist())
     assert cache.get_seq_length() == n  # the refusals changed nothing
 
 
-def test_images_the_new_tokens_do_not_place_are_refused(model, tiny_processor, turns):
+def test_images_the_new_tokens_do_not_place_are_refused(tiny_model, tiny_processor, turns):
     first, second, whole = turns
-    cache = DeepseekV41Cache(model.config)
-    _prefill(model, first, cache)
+    cache = DeepseekV41Cache(tiny_model.config)
+    _prefill(tiny_model, first, cache)
     images = {k: whole[k] for k in ("pixel_values", "image_grid_thw")}  # 2 images, 1 in the cache
     text = tiny_processor(text="<｜User｜>Why?<｜Assistant｜></think>", add_special_tokens=False, return_tensors="pt")
     with pytest.raises(DeepseekV41ModelError, match="mark the new turn's image spans"):
-        _prefill(model, {"input_ids": text["input_ids"], **images}, cache)
+        _prefill(tiny_model, {"input_ids": text["input_ids"], **images}, cache)
     with pytest.raises(DeepseekV41ModelError, match="outside an image span"):
-        _prefill(model, {"input_ids": second["input_ids"]}, cache)
+        _prefill(tiny_model, {"input_ids": second["input_ids"]}, cache)
     # three images: neither the new turn's one nor the conversation's two
     wrong = {k: torch.cat([whole[k], second[k]]) for k in ("pixel_values", "image_grid_thw")}
     with pytest.raises(DeepseekV41ModelError, match="3 images for 1 image spans"):
-        _prefill(model, {"input_ids": second["input_ids"], "mm_token_type_ids": second["mm_token_type_ids"], **wrong}, cache)
+        _prefill(tiny_model, {"input_ids": second["input_ids"], "mm_token_type_ids": second["mm_token_type_ids"], **wrong}, cache)
     assert cache.get_seq_length() == first["input_ids"].size(1) and cache.image_counts.tolist() == [1]
 
 
-def test_a_deep_copied_prefix_serves_several_suffixes(model, tiny_processor, turns):
+def test_a_deep_copied_prefix_serves_several_suffixes(tiny_model, tiny_processor, turns):
     first, _, _ = turns
-    prefix = DeepseekV41Cache(model.config)
-    _prefill(model, first, prefix)
+    prefix = DeepseekV41Cache(tiny_model.config)
+    _prefill(tiny_model, first, prefix)
     suffixes = ["<｜User｜>Why?<｜Assistant｜></think>", "<｜User｜>Tell me more about it.<｜Assistant｜></think>",
                 "<｜User｜>Thanks<｜Assistant｜></think>"]
     for text in suffixes:
         suffix = tiny_processor(text=text, add_special_tokens=False, return_tensors="pt")
         copied = copy.deepcopy(prefix)
         suffix = {"input_ids": suffix["input_ids"]}  # on a filled cache a mask would span past + new
-        got = _prefill(model, suffix, copied)
-        again = DeepseekV41Cache(model.config)  # the same prefix prefilled afresh, then the suffix
-        _prefill(model, first, again)
-        assert torch.equal(got, _prefill(model, suffix, again))
+        got = _prefill(tiny_model, suffix, copied)
+        again = DeepseekV41Cache(tiny_model.config)  # the same prefix prefilled afresh, then the suffix
+        _prefill(tiny_model, first, again)
+        assert torch.equal(got, _prefill(tiny_model, suffix, again))
         assert copied.get_seq_length() == first["input_ids"].size(1) + suffix["input_ids"].size(1)
     assert prefix.get_seq_length() == first["input_ids"].size(1)  # the copies left the prefix as it was
