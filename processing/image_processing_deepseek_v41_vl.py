@@ -238,18 +238,24 @@ def array_to_image(array: np.ndarray | torch.Tensor) -> Image.Image:
     return Image.fromarray(np.ascontiguousarray(array))
 
 
-def _read_source(src: Any, allow_urls: bool) -> bytes | Image.Image:
-    """The encoded bytes of `src` (or a PIL image: `src` itself, or an array converted)."""
+def _read_source(src: Any, allow_urls: bool, max_image_bytes: int | None) -> bytes | Image.Image:
+    """The encoded bytes of `src` (or a PIL image: `src` itself, or an array converted).
+
+    `max_image_bytes` is checked before the data is decoded, and where the size is known before
+    reading (a file's size, a data URL's payload length), before it is read.
+    """
     if isinstance(src, Image.Image):
         return src
     if isinstance(src, (np.ndarray, torch.Tensor)):
         return array_to_image(src)
     if isinstance(src, (bytes, bytearray, memoryview)):
+        _check_bytes(len(src), max_image_bytes)
         return bytes(src)
     if hasattr(src, "read"):
-        data = src.read()
+        data = src.read() if max_image_bytes is None else src.read(max_image_bytes + 1)
         if not isinstance(data, (bytes, bytearray)):
             raise DeepseekV41ImageError(f"file object must be opened in binary mode, read() gave {type(data).__name__}")
+        _check_bytes(len(data), max_image_bytes, at_least=True)
         return bytes(data)
     if isinstance(src, os.PathLike):
         src = os.fspath(src)
@@ -264,25 +270,39 @@ def _read_source(src: Any, allow_urls: bool) -> bytes | Image.Image:
 
             try:
                 with urlopen(src, timeout=30) as response:
-                    return response.read()
+                    data = response.read() if max_image_bytes is None else response.read(max_image_bytes + 1)
             except OSError as err:  # URLError, HTTPError, timeouts
                 raise DeepseekV41ImageError(f"cannot fetch image URL {src!r}: {err}") from err
+            _check_bytes(len(data), max_image_bytes, at_least=True)
+            return data
         if src.startswith("data:"):
             header, _, payload = src.partition(",")
             if ";base64" not in header:
                 raise DeepseekV41ImageError(f"unsupported data URL encoding {header!r}: only base64 data URLs are read")
+            # valid base64 (no whitespace: validate=True) decodes to exactly this many bytes
+            _check_bytes(len(payload.rstrip("=")) * 3 // 4, max_image_bytes)
             try:
                 return base64.b64decode(payload, validate=True)
             except ValueError as err:
                 raise DeepseekV41ImageError(f"data URL payload is not valid base64: {err}") from err
         try:
+            _check_bytes(os.path.getsize(src), max_image_bytes)
             with open(src, "rb") as file:
-                return file.read()
+                data = file.read() if max_image_bytes is None else file.read(max_image_bytes + 1)
         except OSError as err:
             raise DeepseekV41ImageError(f"cannot read image file {src!r}: {err}") from err
+        _check_bytes(len(data), max_image_bytes, at_least=True)  # the file may have grown since
+        return data
     raise DeepseekV41ImageError(
         f"unsupported image input of type {type(src).__name__}: pass a path, bytes, a binary file object, a PIL image, or a numpy array / torch tensor"
     )
+
+
+def _check_bytes(size: int, max_image_bytes: int | None, at_least: bool = False) -> None:
+    """Refuse encoded data over `max_image_bytes` (`at_least`: reading stopped at the cap + 1)."""
+    if max_image_bytes is not None and size > max_image_bytes:
+        amount = f"more than {max_image_bytes} bytes" if at_least else f"{size} bytes"
+        raise DeepseekV41ImageTooLargeError(f"image data of {amount} exceeds max_image_bytes={max_image_bytes}")
 
 
 def load_image(
@@ -291,6 +311,7 @@ def load_image(
     max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
     exif_orientation: str = "ignore",
     allow_urls: bool = False,
+    max_image_bytes: int | None = None,
 ) -> Image.Image:
     """Open one image as an RGB PIL image, as `inference/image_processor.py: load_image` does.
 
@@ -308,6 +329,8 @@ def load_image(
         exif_orientation (`str`): "ignore" (the reference: stored pixel order) or "apply" (transpose
             by the EXIF Orientation tag first, as a viewer shows the image).
         allow_urls (`bool`): allow fetching http(s) URLs with urllib (off by default).
+        max_image_bytes (`int`, *optional*): cap on the encoded size in bytes, checked before
+            decoding (before reading, where the size is known first). `None`: no cap.
 
     Returns:
         `PIL.Image.Image` in mode "RGB", fully loaded.
@@ -317,13 +340,14 @@ def load_image(
             Pillow's decoder raises, `MemoryError` aside), zero area, unsupported input type, or a URL
             while `allow_urls` is False.
         DeepseekV41ImageTooLargeError: width * height > max_image_pixels, or beyond Pillow's own
-            limit (the message names the cap that refused it).
+            limit, or more encoded bytes than max_image_bytes (the message names the cap that
+            refused it).
     """
     if exif_orientation not in EXIF_ORIENTATION_POLICIES:
         raise DeepseekV41ImageError(
             f"exif_orientation must be one of {EXIF_ORIENTATION_POLICIES}, got {exif_orientation!r}"
         )
-    data = _read_source(src, allow_urls)
+    data = _read_source(src, allow_urls, max_image_bytes)
     if isinstance(data, Image.Image):
         _check_size(data.width, data.height, max_image_pixels)
         try:
@@ -456,6 +480,7 @@ class DeepseekV41ImageProcessorKwargs(ImagesKwargs, total=False):
     max_wh_ratio (`float`, *optional*): width / height clamp; `None` in V4.1.
     pad_color (`tuple[int, int, int]`, defaults to (127, 127, 127)): padding colour.
     max_image_pixels (`int`, *optional*): decompression-bomb cap on width * height.
+    max_image_bytes (`int`, *optional*): cap on an image's encoded size in bytes.
     exif_orientation (`str`, defaults to "ignore"): "ignore" or "apply".
     allow_urls (`bool`, defaults to False): allow fetching http(s) image URLs.
     """
@@ -467,6 +492,7 @@ class DeepseekV41ImageProcessorKwargs(ImagesKwargs, total=False):
     max_wh_ratio: float | None
     pad_color: tuple[int, int, int] | list[int]
     max_image_pixels: int | None
+    max_image_bytes: int | None
     exif_orientation: str
     allow_urls: bool
 
@@ -486,6 +512,7 @@ _SETTINGS = (
     "image_mean",
     "image_std",
     "max_image_pixels",
+    "max_image_bytes",
     "exif_orientation",
 )
 
@@ -507,6 +534,8 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
         max_image_pixels (`int`, *optional*, defaults to 178956970): decompression-bomb cap on
             width * height, checked from the header BEFORE decoding (default: Pillow's own hard
             limit, so nothing the reference decodes is refused). `None` disables the check.
+        max_image_bytes (`int`, *optional*): cap on an image's encoded size (file, bytes, data
+            URL payload), checked before decoding; `None` (the default) sets none.
         exif_orientation (`str`, defaults to "ignore"): "ignore" keeps the stored pixel order like the
             reference (a photo with EXIF Orientation 6 stays sideways); "apply" transposes first.
 
@@ -519,7 +548,8 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
             range (named in the message): patch_size / downsample_ratio / max_image_tokens not a
             positive integer, min_pixels negative, max_wh_ratio not None or > 0, pad_color not 3
             integers in [0, 255], image_mean not finite, image_std not > 0 (1 or 3 numbers),
-            max_image_pixels not None or a positive integer, exif_orientation unknown.
+            max_image_pixels / max_image_bytes not None or a positive integer, exif_orientation
+            unknown.
 
     Outputs of `preprocess` / `__call__` (a `BatchFeature`):
         pixel_values: float32 [sum_i n_vit_h_i * n_vit_w_i, 3 * patch_size**2], rows in image order,
@@ -544,6 +574,7 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
         image_mean: float | Sequence[float] = 0.5,
         image_std: float | Sequence[float] = 0.5,
         max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
+        max_image_bytes: int | None = None,
         exif_orientation: str = "ignore",
         **kwargs,
     ):
@@ -566,6 +597,7 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
                 "image_mean": image_mean,
                 "image_std": image_std,
                 "max_image_pixels": max_image_pixels,
+                "max_image_bytes": max_image_bytes,
                 "exif_orientation": exif_orientation,
             }
         )
@@ -640,6 +672,7 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
             max_image_pixels=self.max_image_pixels,
             exif_orientation=self.exif_orientation,
             allow_urls=allow_urls,
+            max_image_bytes=self.max_image_bytes,
         )
 
     def process_one(self, src: ImageSource, allow_urls: bool = False, **overrides) -> tuple[torch.Tensor, ImagePlan]:
@@ -659,6 +692,7 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
             max_image_pixels=settings["max_image_pixels"],
             exif_orientation=settings["exif_orientation"],
             allow_urls=allow_urls,
+            max_image_bytes=settings["max_image_bytes"],
         )
         plan = plan_image_grid(image.width, image.height, **self._plan_settings(settings))
         image = resize_to_plan(image, plan, pad_color=settings["pad_color"], max_wh_ratio=settings["max_wh_ratio"])
@@ -802,8 +836,9 @@ def _checked_settings(s: dict[str, Any]) -> dict[str, Any]:
     out["pad_color"] = tuple(int(c) for c in color)
     out["image_mean"] = _channel_values("image_mean", s["image_mean"], positive=False)
     out["image_std"] = _channel_values("image_std", s["image_std"], positive=True)
-    if s["max_image_pixels"] is not None:
-        out["max_image_pixels"] = _integer("max_image_pixels", s["max_image_pixels"], minimum=1)
+    for name in ("max_image_pixels", "max_image_bytes"):
+        if s[name] is not None:
+            out[name] = _integer(name, s[name], minimum=1)
     if s["exif_orientation"] not in EXIF_ORIENTATION_POLICIES:
         raise DeepseekV41ProcessingError(
             f"exif_orientation must be one of {EXIF_ORIENTATION_POLICIES}, got {s['exif_orientation']!r}"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import torch
 from torch import nn
 
@@ -20,3 +23,13 @@ def with_backends(module: nn.Module, **backends: str) -> nn.Module:
     plan = next(m.numerics for m in module.modules() if isinstance(getattr(m, "numerics", None), DeepseekV41Numerics))
     apply_numerics(module, plan.replace(**backends))
     return module
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG with a valid IHDR claiming width x height RGB pixels, and no pixel data."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")

@@ -13,7 +13,6 @@ import io
 import json
 import struct
 import threading
-import zlib
 
 import numpy as np
 import pytest
@@ -37,6 +36,7 @@ from deepseek_v41_vl.processing.image_processing_deepseek_v41_vl import (
     DeepseekV41ImageProcessor,
     load_image,
 )
+from helpers import png_header_only
 
 SETTINGS = ["real", "small", "ratio4"]
 PATCH = 14
@@ -227,16 +227,6 @@ def test_zero_area_image_raises(size):
         DeepseekV41ImageProcessor()(Image.new("RGB", size))
 
 
-def png_header_only(width: int, height: int) -> bytes:
-    """A PNG with a valid IHDR claiming width x height RGB pixels, and no pixel data."""
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
-
-
 @pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
 def test_bomb_refused_from_header_before_decoding():
     # 12000 x 12000 passes Pillow's hard limit (it only warns); our cap refuses it from the header.
@@ -322,6 +312,29 @@ def test_bomb_cap_is_checked_before_decoding(golden):
         load_image(data, max_image_pixels=64 * 64 - 1)
     with pytest.raises(DeepseekV41ImageError, match="truncated"):
         load_image(data, max_image_pixels=64 * 64)
+
+
+def test_byte_cap_refuses_every_source_before_decoding(golden, tmp_path):
+    data = (golden / "preprocess" / "images" / "chelsea.png").read_bytes()
+    path = tmp_path / "chelsea.png"
+    path.write_bytes(data)
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    cap = len(data) - 1
+    for source in (data, path, str(path), io.BytesIO(data), url):
+        with pytest.raises(DeepseekV41ImageTooLargeError, match=f"exceeds max_image_bytes={cap}"):
+            load_image(source, max_image_bytes=cap)
+        # at exactly its size it loads, so the count is the encoded size, not an estimate
+        assert load_image(source if not isinstance(source, io.BytesIO) else io.BytesIO(data),
+                          max_image_bytes=len(data)).size == Image.open(io.BytesIO(data)).size
+    # a data URL is refused from its length: a payload too long for the cap is never decoded
+    with pytest.raises(DeepseekV41ImageTooLargeError, match="3000 bytes exceeds max_image_bytes=2999"):
+        load_image("data:image/png;base64," + "@" * 4000, max_image_bytes=2999)
+    processor = DeepseekV41ImageProcessor(max_image_bytes=cap)
+    assert processor.to_dict()["max_image_bytes"] == cap
+    with pytest.raises(DeepseekV41ImageTooLargeError, match="max_image_bytes"):
+        processor(data)
+    with pytest.raises(DeepseekV41ProcessingError, match="max_image_bytes"):
+        DeepseekV41ImageProcessor(max_image_bytes=0)
 
 
 def test_url_refused_by_default():

@@ -1,14 +1,23 @@
-"""`deepseek-v41-vl serve` (transformers' own server) answers an OpenAI client with images
-(issue [serve], first step: the model loads there and answers what `generate` answers)."""
+"""`deepseek-v41-vl serve` (transformers' own server) answers an OpenAI client (issue [serve]).
+
+The server runs a tiny random model with the real V4 tokenizer (`make_tiny`), so chat, thinking
+and DSML tool-call text is the model's real format. Every reply is checked against `generate()`
+on the same prompt (greedy), parsed by the tokenizer's response template as the server parses it.
+"""
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
+import os
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -16,7 +25,43 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import deepseek_v41_vl  # noqa: F401  (registers the Auto classes)
+from deepseek_v41_vl.processing.encoding_deepseek_v41_vl import (
+    DSML_CALLS,
+    DSML_CALLS_END,
+    DSML_INVOKE,
+    DSML_INVOKE_END,
+    DSML_PARAMETER,
+    DSML_PARAMETER_CLOSE,
+    EOS_TOKEN,
+)
+from deepseek_v41_vl.serve import ServeRequestError, request_template_kwargs
+from helpers import png_header_only
 
+MAX_IMAGES = 3
+MAX_IMAGE_BYTES = 300_000  # chelsea (240 kB) and rocket (113 kB) pass; hubble_deep_field (528 kB) does not
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+# The server, with each prompt it builds logged (ids and a digest of the pixels, in image order) to
+# $PROMPT_LOG: the test's window on what the model saw.
+SERVE_WITH_PROMPT_LOG = """
+import hashlib, json, os, sys
+from deepseek_v41_vl.processing.processing_deepseek_v41_vl import DeepseekV41Processor
+apply = DeepseekV41Processor.apply_chat_template
+def logged(self, *args, **kwargs):
+    out = apply(self, *args, **kwargs)
+    if kwargs.get("tokenize"):
+        with open(os.environ["PROMPT_LOG"], "a") as log:
+            log.write(json.dumps({"input_ids": out["input_ids"].tolist(), "pixels": pixel_digest(out)}) + "\\n")
+    return out
+def pixel_digest(out):
+    return hashlib.sha256(out["pixel_values"].numpy().tobytes()).hexdigest() if "pixel_values" in out else None
+DeepseekV41Processor.apply_chat_template = logged
+from deepseek_v41_vl.cli import main
+sys.exit(main(["serve", *sys.argv[1:]]))
+"""
 
 
 def _free_port() -> int:
@@ -26,14 +71,34 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(converted_tiny_fp8, tmp_path_factory):
+def folder(tmp_path_factory) -> Path:
+    """A converted tiny random model with the real tokenizer."""
+    from deepseek_v41_vl.conversion.convert import convert_checkpoint
+    from deepseek_v41_vl.conversion.make_tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("serve_model")
+    make_tiny(root / "official", seed=0, variant="fp8")
+    convert_checkpoint(root / "official", root / "model", progress=False)
+    return root / "model"
+
+
+@pytest.fixture(scope="module")
+def local(folder):
+    """The processor and model the server loads, in this process (default numerics, as served)."""
+    return AutoProcessor.from_pretrained(folder), AutoModelForImageTextToText.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def server(folder, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
+    prompts = log.with_name("prompts.jsonl")
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "deepseek_v41_vl.cli", "serve", str(converted_tiny_fp8), "--device", "cpu",
-             "--host", "127.0.0.1", "--port", str(port)],
-            stdout=out, stderr=subprocess.STDOUT,
+            [sys.executable, "-c", SERVE_WITH_PROMPT_LOG, str(folder), "--device", "cpu",
+             "--host", "127.0.0.1", "--port", str(port),
+             "--max-images", str(MAX_IMAGES), "--max-image-bytes", str(MAX_IMAGE_BYTES)],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PROMPT_LOG": str(prompts)},
         )
     try:
         deadline = time.monotonic() + 300
@@ -45,61 +110,247 @@ def server(converted_tiny_fp8, tmp_path_factory):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the server did not come up:\n{log.read_text()[-3000:]}") from None
                 time.sleep(1)
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused"), str(converted_tiny_fp8)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        yield client, str(folder), prompts
     finally:
         proc.terminate()
         proc.wait(timeout=60)
 
 
+def _data_url(photo: str | Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(Path(photo).read_bytes()).decode()
+
+
 def _image_message(photo: str, text: str) -> dict:
-    data = base64.b64encode(open(photo, "rb").read()).decode()
-    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}},
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(photo)}},
                                         {"type": "text", "text": text}]}
 
 
-def test_an_image_request_gets_what_generate_gives(server, converted_tiny_fp8, photos):
-    client, name = server
-    message = _image_message(photos[0], "What is it?")
-    reply = client.chat.completions.create(model=name, messages=[message], max_tokens=6, temperature=0)
+def _as_local(messages: list[dict]) -> list[dict]:
+    """The OpenAI messages in the processor's form (image parts as `{"type": "image", "url": ...}`)."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [{"type": "image", "url": part["image_url"]["url"]} if part["type"] == "image_url" else part
+                       for part in content]
+        out.append({**message, "content": content})
+    return out
+
+
+def _expected(local, messages, max_new_tokens, tools=None, **template_kwargs):
+    """(prompt length, parsed reply) of greedy `generate()` on the prompt the server builds."""
+    processor, model = local
+    inputs = processor.apply_chat_template(_as_local(messages), add_generation_prompt=True, tokenize=True,
+                                           return_dict=True, return_tensors="pt", tools=tools, **template_kwargs)
+    with torch.no_grad():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+    tokenizer = processor.tokenizer
+    prompt = inputs["input_ids"][0]
+    parsed = tokenizer.parse_response(out[0, prompt.numel():], tokenizer.response_template,
+                                      prefix=tokenizer.decode(prompt), tools=tools)
+    return prompt.numel(), parsed
+
+
+def _streamed(chunks) -> tuple[str, str, list, str]:
+    """(content, reasoning_content, tool calls, finish_reason) of a streamed reply."""
+    content, reasoning, calls, finish = "", "", [], None
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            calls += choice.delta.tool_calls or []
+            finish = choice.finish_reason or finish
+    return content, reasoning, calls, finish
+
+
+def test_an_image_request_gets_what_generate_gives(server, local, photos):
+    client, name, _ = server
+    messages = [_image_message(photos[0], "What is it?")]
+    reply = client.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0)
+    prompt_length, parsed = _expected(local, messages, 6)
     choice = reply.choices[0]
     assert choice.finish_reason == "length" and reply.usage.completion_tokens == 6
-    # the same prompt through the processor and generate(): the prompt length and the greedy text
-    processor = AutoProcessor.from_pretrained(converted_tiny_fp8)
-    model = AutoModelForImageTextToText.from_pretrained(converted_tiny_fp8)
-    local = [{"role": "user", "content": [{"type": "image", "url": photos[0]}, {"type": "text", "text": "What is it?"}]}]
-    inputs = processor.apply_chat_template(local, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                           return_tensors="pt")
-    assert reply.usage.prompt_tokens == inputs["input_ids"].size(1)
-    with torch.no_grad():
-        out = model.generate(**inputs, do_sample=False, max_new_tokens=6)
-    # what the server answers is those ids split by the tokenizer's response template (the random
-    # tiny model may emit `</think>` and other special tokens, which stay in the content)
-    tokenizer = processor.tokenizer
-    parsed = tokenizer.parse_response(out[0, inputs["input_ids"].size(1) :], tokenizer.response_template,
-                                      prefix=tokenizer.decode(inputs["input_ids"][0]))
+    assert reply.usage.prompt_tokens == prompt_length
     assert choice.message.content == parsed.get("content", "")
 
 
 def test_streaming_gives_the_same_text(server, photos):
-    client, name = server
+    client, name, _ = server
     messages = [_image_message(photos[1], "Describe it.")]
     whole = client.chat.completions.create(model=name, messages=messages, max_tokens=5, temperature=0)
-    chunks = client.chat.completions.create(model=name, messages=messages, max_tokens=5, temperature=0, stream=True)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == whole.choices[0].message.content
+    content, _, _, finish = _streamed(
+        client.chat.completions.create(model=name, messages=messages, max_tokens=5, temperature=0, stream=True))
+    assert content == whole.choices[0].message.content and finish == "length"
+
+
+def _last_prompt(log: Path) -> dict:
+    return json.loads(log.read_text().splitlines()[-1])
+
+
+def test_two_images_in_two_turns_reach_the_model_in_order(server, local, photos):
+    client, name, log = server
+    processor, _ = local
+
+    def conversation(first, second):
+        return [_image_message(first, "Here is the first picture."), {"role": "assistant", "content": "Noted."},
+                _image_message(second, "And the second: what changed?")]
+
+    def prompt(messages) -> dict:
+        inputs = processor.apply_chat_template(_as_local(messages), add_generation_prompt=True, tokenize=True,
+                                               return_dict=True, return_tensors="pt")
+        return {"input_ids": inputs["input_ids"].tolist(),
+                "pixels": hashlib.sha256(inputs["pixel_values"].numpy().tobytes()).hexdigest()}
+
+    reply = client.chat.completions.create(model=name, messages=conversation(*photos), max_tokens=8, temperature=0)
+    seen, in_order, swapped = _last_prompt(log), prompt(conversation(*photos)), prompt(conversation(*reversed(photos)))
+    assert in_order["pixels"] != swapped["pixels"]  # the pixel rows follow the images' order
+    assert seen == in_order
+    length, parsed = _expected(local, conversation(*photos), 8)
+    assert (reply.usage.prompt_tokens, reply.choices[0].message.content) == (length, parsed.get("content", ""))
+
+
+@pytest.mark.parametrize("effort", ["high", 20])
+def test_a_thinking_request_splits_reasoning_from_content(server, local, effort):
+    client, name, _ = server
+    messages = [{"role": "user", "content": "How many legs has a spider?"}]
+    reply = client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0,
+                                           reasoning_effort=effort)
+    length, parsed = _expected(local, messages, 12, thinking_mode="thinking", reasoning_effort=effort)
+    chat_length, chat = _expected(local, messages, 12)
+    assert parsed != chat  # thinking mode shows in the reply, so the check below can fail
+    message = reply.choices[0].message
+    assert reply.usage.prompt_tokens == length
+    assert (message.content or "", getattr(message, "reasoning_content", None) or "") == (
+        parsed.get("content", ""), parsed.get("reasoning_content", ""))
+    # the random model never closes its reasoning here: every token is thinking, and the reply says so
+    assert parsed.get("reasoning_content") and not parsed.get("content")
+    assert reply.choices[0].finish_reason == "length"
+    streamed = _streamed(client.chat.completions.create(
+        model=name, messages=messages, max_tokens=12, temperature=0, reasoning_effort=effort, stream=True))
+    assert streamed == ("", parsed["reasoning_content"], [], "length")
+    none = client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0,
+                                          reasoning_effort="none")
+    assert (none.usage.prompt_tokens, none.choices[0].message.content) == (chat_length, chat.get("content", ""))
+
+
+def _tool_call_text() -> str:
+    return (f"\n\n{DSML_CALLS}\n{DSML_INVOKE} name=\"get_weather\">\n{DSML_PARAMETER} name=\"city\" "
+            f"string=\"true\">Paris<{DSML_PARAMETER_CLOSE}>\n{DSML_INVOKE_END}>\n{DSML_CALLS_END}{EOS_TOKEN}")
+
+
+def test_a_tools_request_gets_the_tool_call_back(server, local):
+    client, name, _ = server
+    processor, model = local
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    prompt = processor.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True,
+                                           return_dict=True, return_tensors="pt")["input_ids"][0].tolist()
+    call = processor.tokenizer(_tool_call_text(), add_special_tokens=False)["input_ids"]
+    # A random model does not write DSML by itself: bias each token of the call after its own
+    # prefix (transformers' `sequence_bias`, through the request's `generation_config`).
+    forced = {"do_sample": False, "eos_token_id": model.generation_config.eos_token_id,
+              "sequence_bias": [[prompt[-1:] + call[: i + 1], 100.0] for i in range(len(call))]}
+    extra = {"generation_config": json.dumps(forced)}
+    reply = client.chat.completions.create(model=name, messages=messages, tools=TOOLS, max_tokens=len(call) + 4,
+                                           extra_body=extra)
+    assert reply.usage.prompt_tokens == len(prompt) and reply.usage.completion_tokens == len(call)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    [tool_call] = choice.message.tool_calls
+    assert (tool_call.function.name, json.loads(tool_call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    _, _, calls, finish = _streamed(client.chat.completions.create(
+        model=name, messages=messages, tools=TOOLS, max_tokens=len(call) + 4, extra_body=extra, stream=True))
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert finish == "tool_calls"
+    # the next turn carries the call and its result back; the prompt is the processor's
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": tool_call.id, "type": "function", "function": {
+            "name": "get_weather", "arguments": tool_call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": tool_call.id, "content": "Sunny, 21 C"},
+    ]
+    follow = client.chat.completions.create(model=name, messages=history, tools=TOOLS, max_tokens=4, temperature=0)
+    length, parsed = _expected(local, history, 4, tools=TOOLS)
+    assert (follow.usage.prompt_tokens, follow.choices[0].message.content) == (length, parsed.get("content", ""))
 
 
 def test_the_models_endpoint_lists_the_folder(server):
-    client, name = server
+    client, name, _ = server
     assert name in [m.id for m in client.models.list().data]
 
 
-def test_a_refused_image_is_a_400_naming_the_problem_and_the_server_goes_on(server, photos):
-    client, name = server
-    strict = client.with_options(max_retries=0)  # a dropped connection would show, not be retried
-    broken = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}},
-                                          {"type": "text", "text": "What is it?"}]}
-    with pytest.raises(openai.BadRequestError, match="base64"):
-        strict.chat.completions.create(model=name, messages=[broken], max_tokens=2)
-    reply = strict.chat.completions.create(model=name, messages=[_image_message(photos[1], "And now?")], max_tokens=2)
-    assert reply.usage.completion_tokens == 2
+def _bad_requests(golden, photos) -> dict[str, tuple[dict, str]]:
+    """name -> (request fields, what the 400's message must say)."""
+    chelsea = Path(photos[0]).read_bytes()
+
+    def one_image(url, text="What is it?"):
+        return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}]
+
+    def b64(data: bytes) -> str:
+        return "data:image/png;base64," + base64.b64encode(data).decode()
+
+    many = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(photos[1])}}] * 2},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(photos[1])}}] * 2}]
+    return {
+        "broken data URL": ({"messages": one_image("data:image/png;base64,@@@")}, "base64"),
+        "bomb": ({"messages": one_image(b64(png_header_only(12000, 12000)))}, "max_image_pixels=50000000"),
+        "truncated file": ({"messages": one_image(b64(chelsea[: len(chelsea) // 3]))}, "truncated"),
+        "too many bytes": ({"messages": one_image(_data_url(golden / "preprocess" / "images" / "hubble_deep_field.jpg"))},
+                           f"max_image_bytes={MAX_IMAGE_BYTES}"),
+        "too many images": ({"messages": many}, f"4 images; this server takes at most {MAX_IMAGES}"),
+        "http URL": ({"messages": one_image("http://127.0.0.1:9/cat.png")}, "--allow-image-urls"),
+        "unknown model": ({"model": "someone/another-model"}, "pinned"),
+        "unknown effort": ({"reasoning_effort": "medium"}, "reasoning_effort must be one of"),
+        "processor options": ({"extra_body": {"chat_template_kwargs": {"processor_kwargs": {"allow_urls": True}}}},
+                              "may set only"),
+    }
+
+
+def test_bad_requests_get_a_400_naming_the_problem_and_the_server_goes_on(server, golden, photos):
+    client, name, _ = server
+    good = {"model": name, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+    for case, (fields, says) in _bad_requests(golden, photos).items():
+        with pytest.raises(openai.BadRequestError, match=says):
+            client.chat.completions.create(**{**good, **fields})
+        reply = client.chat.completions.create(**good)
+        assert reply.usage.completion_tokens == 2, case
+
+
+def test_concurrent_clients_each_get_their_own_reply(server, local, photos):
+    client, name, _ = server
+    prompts = [[{"role": "user", "content": f"Count to {n}."}] for n in (3, 5)]
+    prompts += [[_image_message(photos[0], "Name it.")], [_image_message(photos[1], "Where is it?")]]
+    want = [_expected(local, messages, 4) for messages in prompts]
+
+    def client_loop(k: int) -> list[tuple[int, str]]:
+        got = []
+        for j in range(5):
+            i = (k + j) % len(prompts)
+            if j % 2:
+                content, _, _, _ = _streamed(client.chat.completions.create(
+                    model=name, messages=prompts[i], max_tokens=4, temperature=0, stream=True))
+            else:
+                content = client.chat.completions.create(model=name, messages=prompts[i], max_tokens=4,
+                                                         temperature=0).choices[0].message.content
+            got.append((i, content))
+        return got
+
+    with ThreadPoolExecutor(8) as pool:
+        replies = [reply for loop in pool.map(client_loop, range(8)) for reply in loop]
+    assert len(replies) == 40
+    assert all(content == want[i][1].get("content", "") for i, content in replies)
+    assert len({want[i][1].get("content") for i in range(len(prompts))}) > 1  # the prompts' replies differ
+
+
+def test_request_template_kwargs_maps_reasoning_effort():
+    assert request_template_kwargs({}) == {}
+    assert request_template_kwargs({"reasoning_effort": "max"}) == {"enable_thinking": True, "reasoning_effort": "max"}
+    assert request_template_kwargs({"reasoning_effort": "none"}) == {"enable_thinking": False}
+    assert request_template_kwargs({"chat_template_kwargs": {"thinking_mode": "thinking"}, "reasoning_effort": 30}) == {
+        "thinking_mode": "thinking", "enable_thinking": True, "reasoning_effort": 30}
+    for bad in ({"reasoning_effort": True}, {"reasoning_effort": 101}, {"chat_template_kwargs": []},
+                {"chat_template_kwargs": {"thinking_mode": "chat"}, "reasoning_effort": "low"},
+                {"chat_template_kwargs": {"reasoning_effort": "low"}, "reasoning_effort": "high"},
+                {"chat_template_kwargs": {"tokenize": False}}):
+        with pytest.raises(ServeRequestError):
+            request_template_kwargs(bad)
