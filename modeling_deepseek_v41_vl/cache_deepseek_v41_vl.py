@@ -15,7 +15,9 @@ lives here, per sequence batch:
 
 Besides the reference's prefill at position 0 followed by one-token steps, a prefill may come in
 chunks (forwards of several tokens on a non-empty cache) and batches may be left-padded (the rows'
-pad counts are kept in ``attention.pad_offsets``); see `attention_deepseek_v41_vl.py`.
+pad counts are kept in ``attention.pad_offsets``); see `attention_deepseek_v41_vl.py`. A cache made
+with ``max_crop=N`` can be cropped back to the end of any of its forwards of the last N positions
+(:meth:`DeepseekV41Cache.crop`, what it keeps: `crop_deepseek_v41_vl.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .crop_deepseek_v41_vl import DeepseekV41CropHistory
 from .exceptions_deepseek_v41_vl import DeepseekV41AttentionError, DeepseekV41CacheError
 
 
@@ -91,6 +94,13 @@ class DeepseekV41RowBuffer:
         if n > self.length:
             raise DeepseekV41AttentionError(f"asked for {n} cached rows, only {self.length} exist")
         return self._data[:, :n]
+
+    def truncate(self, length: int, counts: list[int]) -> None:
+        """Keep the first `length` rows (a crop), batch row b only its first ``counts[b]``: the
+        storage past them is zeroed, as a buffer that never held them has it (in place)."""
+        self.length = length
+        for row, count in enumerate(counts):
+            self._data[row, count:] = 0
 
     def reserve(self, capacity: int) -> None:
         """Make room for `capacity` rows (the storage moves only when it grows)."""
@@ -257,6 +267,8 @@ class DeepseekV41CacheLayer(CacheLayerMixin):
     """
 
     is_compileable = False
+    # transformers reads it as "crop can undo any part of a forward" (assisted decoding crops
+    # inside its verification forward); this cache rewinds only to the end of a forward
     is_croppable = False
     supports_early_init = False
 
@@ -311,23 +323,53 @@ class DeepseekV41Cache(Cache):
     """Decode state of one batch of sequences for :class:`DeepseekV41Transformer`.
 
     Args:
-        config: the composite or text config (reads `num_hidden_layers`).
+        config: the composite or text config (reads `num_hidden_layers`, `compress_ratios`).
+        max_crop: how many positions back :meth:`crop` may rewind (int >= 0). 0 (the default)
+            keeps no history: the cache cannot be cropped. N > 0 keeps the window rows of the
+            last ``window + N`` positions per layer and a small state per forward (see
+            `crop_deepseek_v41_vl.py`), so that a crop back to the end of any forward within the
+            last N positions is exact.
 
     Attributes:
         attention: :class:`DeepseekV41AttentionCache` handed to the attention modules.
         engram_history: int64 ``[B, max_ngram_size - 1]`` or None before the prefill.
         image_counts: int64 ``[B]``, the images each row has taken so far (None before any), so
             that a later turn given the whole conversation's `pixel_values` encodes only its own.
+        crop_history: :class:`DeepseekV41CropHistory` with ``max_crop > 0``, else None.
+
+    Raises:
+        DeepseekV41CacheError: `max_crop` that is not an int >= 0.
     """
 
-    def __init__(self, config):
+    def __init__(self, config, max_crop: int = 0):
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        if isinstance(max_crop, bool) or not isinstance(max_crop, int) or max_crop < 0:
+            raise DeepseekV41CacheError(f"max_crop must be an int >= 0 (positions a crop may go back), got {max_crop!r}")
         self.attention = DeepseekV41AttentionCache()
         self.engram_history: torch.Tensor | None = None
-        self.image_counts: torch.Tensor | None = None
+        self._image_counts: torch.Tensor | None = None
         self._seen_tokens = 0
+        self._compress_ratios = list(getattr(text, "compress_ratios", None) or [])
+        self.crop_history = DeepseekV41CropHistory(max_crop) if max_crop else None
         layers = [DeepseekV41CacheLayer(self.attention.layer(i), self) for i in range(text.num_hidden_layers)]
         super().__init__(layers=layers)
+
+    @property
+    def image_counts(self) -> torch.Tensor | None:
+        return self._image_counts
+
+    @image_counts.setter
+    def image_counts(self, counts: torch.Tensor | None) -> None:
+        # set after a forward's `record_tokens` (count_images): the forward's crop point takes it
+        self._image_counts = counts
+        points = self.crop_history.points if self.crop_history is not None else []
+        if points and points[-1].length == self._seen_tokens:
+            points[-1].took_images = points[-1].took_images or counts is not None
+            points[-1].image_counts = None if counts is None else counts.clone()
+
+    def compress_ratio(self, layer_id: int) -> int:
+        """The compress ratio of `layer_id` (0: no compressor)."""
+        return self._compress_ratios[layer_id] if layer_id < len(self._compress_ratios) else 0
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Positions already processed (the next token's absolute position)."""
@@ -335,8 +377,12 @@ class DeepseekV41Cache(Cache):
 
     def record_tokens(self, n: int) -> None:
         """Advance the position after a forward of `n` tokens (called by the model)."""
+        start = self._seen_tokens
         self._seen_tokens += n
         self.attention.seen_tokens = self._seen_tokens
+        if self.crop_history is not None:
+            with torch.no_grad():
+                self.crop_history.record(self, start, self._seen_tokens)
 
     def reset(self) -> None:
         super().reset()
@@ -345,12 +391,22 @@ class DeepseekV41Cache(Cache):
         self.attention.pad_offsets = None
         self.attention.prefill_length = None
         self.engram_history = None
-        self.image_counts = None
+        self._image_counts = None
         self._seen_tokens = 0
         self.attention.seen_tokens = 0
+        if self.crop_history is not None:
+            self.crop_history.clear()
+
+    def _drop_crop_history(self, reason: str) -> None:
+        # the kept rows and points are of the old batch rows: start again from the new rows, as
+        # at the end of a forward (the current window rings seed the kept window rows)
+        if self.crop_history is not None:
+            with torch.no_grad():
+                self.crop_history.restart(self, reason)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep (and reorder) the batch rows `indices` (int ``[n]``) of every layer's state.
+        """Keep (and reorder) the batch rows `indices` (int ``[n]``) of every layer's state (the
+        crop history starts again: a later crop goes back at most to the current length).
 
         Raises:
             DeepseekV41CacheError: indices that are not integers in ``[0, batch)``.
@@ -366,17 +422,18 @@ class DeepseekV41Cache(Cache):
             raise DeepseekV41CacheError(f"batch indices must lie in [0, {batch}), got {indices.tolist()}")
         super().batch_select_indices(indices)
         self.engram_history = select_batch_rows(self.engram_history, indices)
-        self.image_counts = select_batch_rows(self.image_counts, indices)
+        self._image_counts = select_batch_rows(self._image_counts, indices)
         # per batch row attention state (left padding)
         self.attention.pad_offsets = select_batch_rows(self.attention.pad_offsets, indices)
         self.attention.index_k_publisher_rows = select_batch_rows(self.attention.index_k_publisher_rows, indices)
+        self._drop_crop_history("a batch selection (batch_select_indices / reorder_cache)")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        for name in ("engram_history", "image_counts"):
+        for name in ("engram_history", "_image_counts"):
             rows = getattr(self, name)
             if rows is not None:
                 setattr(self, name, rows.repeat_interleave(repeats, dim=0))
@@ -384,11 +441,55 @@ class DeepseekV41Cache(Cache):
             rows = getattr(self.attention, name)
             if rows is not None:
                 setattr(self.attention, name, rows.repeat_interleave(repeats, dim=0))
+        self._drop_crop_history("batch_repeat_interleave")
 
-    def crop(self, tokens_to_remove: int) -> None:
-        raise DeepseekV41CacheError(
-            "the DeepseekV41 cache cannot be cropped (the window ring and compressor state are lossy)"
-        )
+    def crop(self, max_length: int) -> None:
+        """Rewind the cache to `max_length` positions, as the same forwards without those after it
+        left it, bit for bit (transformers' `DynamicCache.crop` semantics).
+
+        Args:
+            max_length: the new length (padded columns, as :meth:`get_seq_length` counts them);
+                negative: remove that many positions. A length >= the current one, and 0
+                (transformers' generation calls ``crop(0)`` to remove nothing), leave the cache
+                as it is; to empty it call :meth:`reset`.
+
+        The new length must be the end of one of the forwards of the last `max_crop` positions
+        (a cache made with ``DeepseekV41Cache(config, max_crop=N)``): the state inside a forward
+        never existed (partial compressor groups, Engram history and image spans are known only
+        between forwards). Removing every position resets the cache.
+
+        Raises:
+            DeepseekV41CacheError: `max_length` that is not an int; more positions removed than the
+                cache holds; a length the cache cannot rewind to (no history, beyond the last
+                `max_crop` positions, inside a forward, inside an image span): the message names
+                the smallest length it can crop to and all those it can.
+        """
+        if isinstance(max_length, bool) or not isinstance(max_length, int):
+            raise DeepseekV41CacheError(f"crop takes an int length (negative: positions to remove), got {max_length!r}")
+        current = self._seen_tokens
+        target = current + max_length if max_length < 0 else max_length
+        if target < 0:
+            raise DeepseekV41CacheError(f"crop({max_length}) removes {-max_length} positions, the cache holds {current}")
+        if max_length == 0 or target >= current:
+            return
+        if target == 0:
+            self.reset()  # every position removed: a fresh cache, exactly
+            return
+        history = self.crop_history
+        if history is None:
+            raise DeepseekV41CacheError(
+                f"cannot crop the cache of length {current} to {target}: it keeps no history to rewind (make it as "
+                f"DeepseekV41Cache(config, max_crop=N) to crop back up to N positions); the smallest length it can "
+                f"crop to is {current}"
+            )
+        if target not in history.lengths(current):
+            raise DeepseekV41CacheError(history.refusal(current, target))
+        tensors = [s.window_kv for s in self.attention.layers.values() if s.window_kv is not None]
+        # a cache filled under inference_mode holds inference tensors, writable only inside it
+        with torch.inference_mode(any(t.is_inference() for t in tensors)), torch.no_grad():
+            history.restore(self, target)
+        self._seen_tokens = target
+        self.attention.seen_tokens = target
 
 
 __all__ = [
