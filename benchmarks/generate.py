@@ -181,6 +181,67 @@ def forward_loop_ms(model, inputs, steps: int, device) -> float:
 
 
 @torch.no_grad()
+def profile_steps(model, inputs, device, steps: int = 8) -> list[str]:
+    """GPU kernel time per decode step (the model's forward on one cache) and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
+
+    cache = DeepseekV41Cache(model.config)
+    token = model(**inputs, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    mask = inputs["attention_mask"]
+    for _ in range(4):  # warm-up (graph captures)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        token = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True).logits.argmax(-1)
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            token = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True).logits.argmax(-1)
+        sync(device)
+    wall = (time.perf_counter() - start) / steps
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events) / steps / 1e3
+    out = [f"- profiled decode step (image prompt, batch 1): wall {wall * 1e3:.1f} ms under the profiler, "
+           f"GPU kernel time {total:.1f} ms", "", "| kernel | ms/step | calls/step |", "|---|---|---|"]
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:10]:
+        out.append(f"| {e.key[:70]} | {e.self_device_time_total / steps / 1e3:.2f} | {e.count / steps:.0f} |")
+    return out
+
+
+@torch.no_grad()
+def host_profile(model, inputs, device, steps: int = 16) -> None:
+    """cProfile of the model's forward over decode steps: the functions with most own time, to stderr."""
+    import cProfile
+    import io
+    import pstats
+
+    from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
+
+    cache = DeepseekV41Cache(model.config)
+    token = model(**inputs, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+    mask = inputs["attention_mask"]
+
+    def step(token, mask):
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+        return model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True).logits.argmax(-1), mask
+
+    for _ in range(4):
+        token, mask = step(token, mask)
+    sync(device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        token, mask = step(token, mask)
+    sync(device)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    print(f"host profile of {steps} decode steps:\n{text.getvalue()}", file=sys.stderr, flush=True)
+
+
+@torch.no_grad()
 def vision_ms(model, processor, device, reps: int) -> tuple[str, float]:
     """The ViT + aligner on the largest image the token budget allows (93 x 93 patches)."""
     from PIL import Image
@@ -209,15 +270,16 @@ def long_text(processor, tokens: int) -> str:
     return sentence * max(1, tokens // per)
 
 
-def environment(device: torch.device) -> list[str]:
+def environment(device: torch.device, commit: str | None) -> list[str]:
     import transformers
     import triton
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return [f"- commit {commit}, {name}, torch {torch.__version__}, triton {triton.__version__}, "
             f"transformers {transformers.__version__}"]
@@ -228,22 +290,30 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--commit", help="the commit to print (a copied tree's .git may not be the code's)")
     parser.add_argument("--steps", type=int, default=32, help="decode tokens per timed generate")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--long", type=int, default=16384, help="prompt tokens of the long case")
     parser.add_argument("--cases", nargs="+", default=["image", "text", "long", "batch", "padded", "vision"])
+    parser.add_argument("--layer-runs", action="store_true",
+                        help="decode_layer_runs=True: one CUDA graph per run of layers instead of one per layer")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile decode steps of the image case: GPU kernel time per step, top kernels")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="also cProfile the host side of decode steps of the image case (stderr)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.quick:
         args.long, args.steps = min(args.long, 256), min(args.steps, 4)
     start = time.perf_counter()
     model, processor = build(device, args.quick)
+    model.model.decode_layer_runs = args.layer_runs
     held = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    lines = ["## generate() through the processor, full depth", "", *environment(device),
+    lines = ["## generate() through the processor, full depth", "", *environment(device, args.commit),
              f"- model: released config, random weights, built in {time.perf_counter() - start:.0f} s; "
              f"{held / 2**30:.1f} GiB held (routed experts: one layer's storage shared by all MoE layers; "
              f"Engram tables {model.config.text_config.engram_num_embeddings} rows); greedy, min_new_tokens = max_new_tokens = {args.steps}, "
-             f"median of {args.reps}", "",
+             f"median of {args.reps}; decode_layer_runs={args.layer_runs}", "",
              "| case | batch | prompt tokens | time to first token | decode ms/token | tokens/s | model forward ms/step |",
              "|---|---|---|---|---|---|---|"]
 
@@ -261,6 +331,14 @@ def main(argv=None) -> int:
     photo = PHOTOS[0]
     if "image" in args.cases:
         row("image chat prompt", chat_inputs(processor, [(TEXT, [photo])], device), loop=True)
+    if args.profile:
+        try:
+            lines += ["", *profile_steps(model, chat_inputs(processor, [(TEXT, [photo])], device), device), ""]
+        except Exception as exc:  # a profiler failure must not cost the measured rows
+            lines += ["", f"- profile failed: {type(exc).__name__}: {exc}", ""]
+        print("\n".join(lines[-15:]), flush=True)
+    if args.host_profile:
+        host_profile(model, chat_inputs(processor, [(TEXT, [photo])], device), device)
     if "text" in args.cases:
         row("short text prompt", chat_inputs(processor, [("Name three colours.", [])], device), loop=True)
     if "long" in args.cases:

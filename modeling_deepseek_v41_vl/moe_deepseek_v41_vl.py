@@ -13,7 +13,7 @@ Numerics (the model's plan, `numerics_deepseek_v41_vl.py`):
 - ``"fast"``: routing by the Triton kernel on CUDA (torch elsewhere). The routed experts then take
   one of two paths, both adding each row's expert outputs in fp32 in ascending expert order:
 
-  - decode-sized calls (``T * k <= MAX_PAIRS``, 64) on CUDA, or wherever the plan's
+  - decode-sized calls (``T * k <= MAX_PAIRS``, 384: 64 rows at top-6) on CUDA, or wherever the plan's
     ``moe_experts`` backend is ``triton`` (``DEEPSEEK_V41_MOE_EXPERTS_BACKEND`` when the model was
     built): the expert kernels (`triton_ops/moe_experts.py`),
     which read the fp4 / fp8 / bf16 expert weights in place, with no host synchronisation (CUDA-graph

@@ -647,7 +647,7 @@ def test_quant_linear_kernel_matches_fallback(kind, rows, n, k, one_per_row):
 
 
 @pytest.mark.parametrize("kind", ["fp4", "bf16"])
-@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("tokens", [1, 8, 64])
 def test_moe_expert_kernels_match_the_grouped_path(kind, tokens, monkeypatch):
     """The routed-expert kernels (decode rows) against the per-expert grouped path, compiled, at a
     mid width with the released expert count and top-k; and the weight dequantization kernels bit

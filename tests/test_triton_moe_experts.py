@@ -224,8 +224,8 @@ def test_table_follows_moves_and_replaced_parameters(monkeypatch):
 
 
 def test_dispatch_rule(monkeypatch):
-    x = torch.zeros(10, HIDDEN, dtype=torch.bfloat16)
-    ids = torch.zeros(10, 6, dtype=torch.int64)
+    x = torch.zeros(64, HIDDEN, dtype=torch.bfloat16)
+    ids = torch.zeros(64, 6, dtype=torch.int64)  # a decode step of 64 rows at top-6: the kernels' limit
     monkeypatch.delenv(ENV, raising=False)
     assert not moe_experts.use_moe_experts_kernel(x, ids, "fp4")  # CPU: auto is torch
     monkeypatch.setenv(ENV, "triton")
@@ -233,7 +233,7 @@ def test_dispatch_rule(monkeypatch):
     assert moe_experts.use_moe_experts_kernel(x, ids, "bf16")
     assert not moe_experts.use_moe_experts_kernel(x, ids, "fp32")
     assert not moe_experts.use_moe_experts_kernel(x.float(), ids, "fp4")
-    assert not moe_experts.use_moe_experts_kernel(torch.zeros(11, HIDDEN, dtype=torch.bfloat16), torch.zeros(11, 6), "fp4")
+    assert not moe_experts.use_moe_experts_kernel(torch.zeros(65, HIDDEN, dtype=torch.bfloat16), torch.zeros(65, 6), "fp4")
     monkeypatch.setenv(ENV, "torch")
     assert not moe_experts.use_moe_experts_kernel(x, ids, "fp4")
     monkeypatch.setenv(ENV, "cuda")

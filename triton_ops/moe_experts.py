@@ -104,8 +104,10 @@ __all__ = [
 
 ENV_BACKEND = "DEEPSEEK_V41_MOE_EXPERTS_BACKEND"
 ENV_MMA = "DEEPSEEK_V41_MOE_EXPERTS_MMA"  # "scaled" or "manual": how quantized weights are multiplied
-# The kernels target decode: the MoE sends calls with more (token, slot) pairs to its grouped path.
-MAX_PAIRS = 64
+# The kernels target decode: the MoE sends calls with more (token, slot) pairs to its grouped path
+# (which reads expert counts on the host, so a step taking it cannot be a CUDA graph). 384 = a
+# decode step of 64 rows at the release's top-6: batches up to 64 decode on the graph-safe path.
+MAX_PAIRS = 384
 # Hard limit of one call: every program scans all pair ids ([BLOCK_M, P] compares per member chunk).
 KERNEL_MAX_PAIRS = 1024
 
