@@ -58,6 +58,32 @@ def test_an_image_in_the_second_turn_continues_like_one_prefill(tiny_model, turn
             assert torch.equal(got, new_only)  # the conversation's images or the turn's: one computation
 
 
+def test_a_later_turn_in_chunks_split_inside_its_image_span_continues_like_one_prefill(tiny_model, turns):
+    """The second turn fed in two chunks whose boundary falls inside its image span (each chunk
+    takes its span rows as `image_span_embeds`, as a chunked prefill does)."""
+    first, second, whole = turns
+    n = first["input_ids"].size(1)
+    with torch.no_grad():
+        want = tiny_model(**whole, use_cache=False, logits_to_keep=0).logits[:, n:]
+        rows = tiny_model.model.get_image_span_embeddings(second["pixel_values"], second["image_grid_thw"])
+    marks = second["mm_token_type_ids"]
+    span = marks[0].nonzero().flatten()
+    cut = int(span[span.numel() // 2])  # half of the span in each chunk
+    assert 0 < int(marks[:, :cut].sum()) < rows.size(0)
+    cache = DeepseekV41Cache(tiny_model.config)
+    cache.attention.prefill_length = whole["input_ids"].size(1)
+    _prefill(tiny_model, first, cache)
+    got, used = [], 0
+    for start, end in ((0, cut), (cut, marks.size(1))):
+        k = int(marks[:, start:end].sum())
+        with torch.no_grad():
+            # the backbone's chunk interface (`image_span_embeds`), as test_chunked_prefill.py uses it
+            got.append(tiny_model.model(second["input_ids"][:, start:end], cache=cache, logits_to_keep=0,
+                                        mm_token_type_ids=marks[:, start:end], image_span_embeds=rows[used : used + k]).logits)
+        used += k
+    assert_golden(torch.cat(got, dim=1), want, "second turn in two chunks split inside its span", rel_l2=CHAIN_REL_L2)
+
+
 def test_without_the_prompt_length_a_later_turn_stays_within_the_chunk_bounds(tiny_model, turns):
     """A real conversation cannot tell the cache its final length: the indexer then ranks the
     positions that exist so far, as a chunked prefill without `prefill_length` does

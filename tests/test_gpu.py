@@ -425,6 +425,45 @@ def test_generate_after_a_decode_loop_under_inference_mode(golden, converted_tin
     assert tokens.tolist() == reference.generate(**prompt, do_sample=False, max_new_tokens=8).tolist()
 
 
+def test_a_conversation_on_one_cache_continues_like_one_prefill_on_gpu(golden, converted_tiny_fp8, photos):
+    """[conversation] in fast numerics on the GPU: a second turn with its own image, on the cache
+    of the first (and again with its span cut across two chunks), within the chunked-prefill
+    bounds of one prefill of the whole conversation; then crop back to the first turn and redo it."""
+    from transformers import AutoProcessor
+
+    from test_chunked_prefill import ARGMAX_AGREEMENT, LOGITS_REL_L2
+    from test_conversation import TURN1, TURN2
+
+    model = hf_all_gpu_run(golden, converted_tiny_fp8)["model"]
+    processor = AutoProcessor.from_pretrained(converted_tiny_fp8)
+    first = processor(images=[photos[0]], text=TURN1, return_tensors="pt").to(CUDA)
+    second = processor(images=[photos[1]], text=TURN2, add_special_tokens=False, return_tensors="pt").to(CUDA)
+    whole = processor(images=photos, text=TURN1 + TURN2, return_tensors="pt").to(CUDA)
+    n = first["input_ids"].size(1)
+    keys = ("input_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw")
+    with torch.no_grad():
+        want = model(**whole, use_cache=False, logits_to_keep=0).logits[:, n:]
+        cache = DeepseekV41Cache(model.config, max_crop=256)
+        model(**first, past_key_values=cache, logits_to_keep=0)
+        got = model(**{k: second[k] for k in keys}, past_key_values=cache, logits_to_keep=0).logits
+        cache.crop(n)
+        again = model(**{k: second[k] for k in keys}, past_key_values=cache, logits_to_keep=0).logits
+        rows = model.model.get_image_span_embeddings(second["pixel_values"], second["image_grid_thw"])
+        marks = second["mm_token_type_ids"]
+        cut = int(marks[0].nonzero().flatten()[rows.size(0) // 2])
+        chunked = DeepseekV41Cache(model.config)
+        model(**first, past_key_values=chunked, logits_to_keep=0)
+        k = int(marks[:, :cut].sum())
+        parts = [model.model(second["input_ids"][:, a:b], cache=chunked, logits_to_keep=0, mm_token_type_ids=marks[:, a:b],
+                             image_span_embeds=r).logits
+                 for (a, b), r in (((0, cut), rows[:k]), ((cut, marks.size(1)), rows[k:]))]
+    for name, logits in (("one forward", got), ("two chunks", torch.cat(parts, dim=1))):
+        _METRICS[f"conversation/{name}"] = {"rel_l2": rel_l2(logits, want)}
+        assert rel_l2(logits, want) < LOGITS_REL_L2, name
+        assert (logits.argmax(-1) == want.argmax(-1)).float().mean() >= ARGMAX_AGREEMENT, name
+    assert torch.equal(again, got)  # crop then continue: the same forward again
+
+
 def _engram_split_map(model, form: str) -> dict:
     tables = dict.fromkeys(ENGRAM_TABLES, "cpu")
     if form == "root":
