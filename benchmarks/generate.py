@@ -7,7 +7,7 @@ directly on the device, made to fit one GPU in two ways that keep the work per t
 - every MoE layer's routed experts share one layer's storage (each layer still reads the experts
   its router picks, the same bytes per token; only the total held is one layer's ~6.7 GiB
   instead of 40 times that);
-- the two Engram tables get about 100 thousand rows instead of 384 million: the hash primes
+- the two Engram tables get about 390 thousand rows instead of 384 million: the hash primes
   are drawn near 16,000 instead of 16,000,000 (the hashing and the gather per token are unchanged).
 
 Then every case runs through the public path, ``processor.apply_chat_template(...)`` ->
@@ -45,6 +45,7 @@ TINY_VISION = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, i
 BATCHES = [1, 8, 16, 32, 64]
 PADDED_BATCHES = [8, 32]
 TEXT = "Describe the picture in one sentence."
+CASES = ("image", "text", "long", "batch", "distinct", "padded", "vision")
 
 
 def sync(device: torch.device) -> None:
@@ -272,8 +273,13 @@ def long_text(processor, tokens: int) -> str:
 
 def environment(device: torch.device, commit: str | None) -> list[str]:
     import transformers
-    import triton
 
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:  # a CPU smoke run needs no Triton
+        triton_version = "not installed"
     if commit is None:
         try:
             commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
@@ -281,7 +287,7 @@ def environment(device: torch.device, commit: str | None) -> list[str]:
         except (OSError, subprocess.CalledProcessError):
             commit = "unknown"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return [f"- commit {commit}, {name}, torch {torch.__version__}, triton {triton.__version__}, "
+    return [f"- commit {commit}, {name}, torch {torch.__version__}, triton {triton_version}, "
             f"transformers {transformers.__version__}"]
 
 
@@ -291,10 +297,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--commit", help="the commit to print (a copied tree's .git may not be the code's)")
-    parser.add_argument("--steps", type=int, default=32, help="decode tokens per timed generate")
+    parser.add_argument("--steps", type=int, default=32, help="decode tokens per timed generate (>= 2)")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--long", type=int, default=16384, help="prompt tokens of the long case")
-    parser.add_argument("--cases", nargs="+", default=["image", "text", "long", "batch", "padded", "vision"])
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--layer-runs", action="store_true",
                         help="decode_layer_runs=True: one CUDA graph per run of layers instead of one per layer")
     parser.add_argument("--profile", action="store_true",
@@ -302,6 +308,8 @@ def main(argv=None) -> int:
     parser.add_argument("--host-profile", action="store_true",
                         help="also cProfile the host side of decode steps of the image case (stderr)")
     args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (decode time is T(steps) - T(1))")
     device = torch.device(args.device)
     if args.quick:
         args.long, args.steps = min(args.long, 256), min(args.steps, 4)
@@ -346,6 +354,12 @@ def main(argv=None) -> int:
     if "batch" in args.cases:
         for b in BATCHES if not args.quick else [1, 2]:
             row("identical text prompts", chat_inputs(processor, [("Name three colours.", [])] * b, device))
+    if "distinct" in args.cases:
+        # distinct rows of one length (no padding): each row routes to its own experts
+        for b in BATCHES[1:] if not args.quick else [2]:
+            inputs = chat_inputs(processor, [(f"Say {n} in words.", []) for n in range(100, 100 + b)], device)
+            padded = bool((inputs["attention_mask"] == 0).any())
+            row("distinct text prompts" + (" (padded)" if padded else ""), inputs)
     if "padded" in args.cases:
         for b in PADDED_BATCHES if not args.quick else [2]:
             prompts = [(TEXT + " Please." * (i % 5), [photo] if i % 2 == 0 else []) for i in range(b)]

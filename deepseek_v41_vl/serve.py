@@ -10,17 +10,14 @@ the model type to that table, registers the classes (importing this package does
 `transformers serve` itself with the remaining arguments: the HTTP server, the chat template, image
 loading and generation are transformers'.
 
-What it adds to the app transformers builds (see :class:`ServeLimits` for the options):
+What it adds to the app transformers builds:
 
-- Limits, checked before any image is decoded: images per request (counted over all turns), and
-  per image its encoded bytes and its pixels (read from the header). http(s) image URLs are
-  refused unless the server is started with ``--allow-image-urls``; base64 data URLs and local
-  paths are read (a local path is read with the server's permissions: bind to 127.0.0.1).
-- Thinking: the request field ``reasoning_effort`` ("low", "high", "max", an int in [1, 100], or
-  "none" for chat mode) selects thinking mode with that effort in the chat template; the request's
-  ``chat_template_kwargs`` may set only the template's switches (``thinking_mode``,
-  ``enable_thinking``, ``reasoning_effort``, ``drop_thinking``), never the processor's options.
-- Errors: a request refused by this policy or by the processor (a broken data URL, a truncated
+- the request policy of `serve_policy.py` on chat completions, responses and completions: image
+  limits (count, bytes, pixels, sources; see :class:`ServeLimits` for the options), the
+  ``reasoning_effort`` mapping, and checks of the fields transformers would fail on with a 500;
+- ``/v1/systemone`` answers 400: its pipeline loads images its own way, past these limits, and
+  cannot run this model's processor;
+- errors: a request refused by the policy or by the processor (a broken data URL, a truncated
   file, an image over a limit, more images than placeholders, a bad template switch) is answered
   with HTTP 400 and a message naming the problem, in the OpenAI error shape; transformers would
   answer a processor error with a bare 500. The server goes on serving.
@@ -30,36 +27,17 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+import os
+import sys
 
-# The chat template's switches a request may set through `chat_template_kwargs`.
-REQUEST_TEMPLATE_SWITCHES = ("thinking_mode", "enable_thinking", "reasoning_effort", "drop_thinking")
-# `reasoning_effort` values the template takes by name (ints in [1, 100] are taken too).
-NAMED_EFFORTS = ("low", "high", "max")
-
-
-@dataclass(frozen=True)
-class ServeLimits:
-    """The server's image limits (command-line options of `deepseek-v41-vl serve`).
-
-    Attributes:
-        max_images: ``--max-images``, images in one request, all turns together (default 16).
-        max_image_bytes: ``--max-image-bytes``, encoded bytes of one image (default 20 MiB).
-        max_image_pixels: ``--max-image-pixels``, width * height of one image, from its header
-            (default 50,000,000, e.g. 8660 x 5773; the model resizes every image to at most 1024
-            prompt positions anyway).
-        allow_image_urls: ``--allow-image-urls``, fetch http(s) image URLs (off by default: the
-            server would fetch any address a client names).
-    """
-
-    max_images: int = 16
-    max_image_bytes: int = 20 * 1024 * 1024
-    max_image_pixels: int = 50_000_000
-    allow_image_urls: bool = False
-
-
-class ServeRequestError(ValueError):
-    """A request this server refuses (answered with HTTP 400 and this message)."""
+from .serve_policy import (
+    ServeLimits,
+    ServeRequestError,
+    check_messages,
+    check_request_fields,
+    check_request_images,
+    request_template_kwargs,
+)
 
 
 def serve(argv: list[str]) -> int:
@@ -70,7 +48,7 @@ def serve(argv: list[str]) -> int:
             e.g. ``[folder, "--port", "8000", "--max-images", "4"]``.
 
     Returns:
-        The server's exit status (2 for a bad option of this command).
+        The server's exit status (2 for a bad option of this command, with argparse's message).
     """
     from transformers.cli.serving import server
     from transformers.cli.serving.model_manager import ModelManager
@@ -80,10 +58,16 @@ def serve(argv: list[str]) -> int:
     from .modeling.configuration_deepseek_v41_vl import DeepseekV41Config
 
     parser = _limit_options()
-    limits, rest = parser.parse_known_args(argv)
+    try:
+        limits, rest = parser.parse_known_args(argv)
+    except SystemExit as bad:  # argparse has printed the problem
+        return int(bad.code or 0)
     if "--help" in rest:
         parser.print_help()
     limits = ServeLimits(**vars(limits))
+    if limits.image_dir is not None and not os.path.isdir(limits.image_dir):
+        print(f"deepseek-v41-vl serve: --image-dir {limits.image_dir!r} is not a folder", file=sys.stderr)
+        return 2
     modeling_auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES.setdefault(
         DeepseekV41Config.model_type, "DeepseekV41ForConditionalGeneration"
     )
@@ -117,86 +101,10 @@ def _limit_options() -> argparse.ArgumentParser:
     parser.add_argument("--max-image-pixels", type=_positive_int, default=defaults.max_image_pixels,
                         help=f"width * height per image (default {defaults.max_image_pixels})")
     parser.add_argument("--allow-image-urls", action="store_true", help="fetch http(s) image URLs (off by default)")
+    parser.add_argument("--image-dir", help="read local image paths under this folder (off by default)")
+    parser.add_argument("--max-tokens", type=_positive_int, default=defaults.max_tokens,
+                        help=f"new tokens one request may ask for, and its default (default {defaults.max_tokens})")
     return parser
-
-
-def request_template_kwargs(body: dict) -> dict:
-    """The `chat_template_kwargs` a chat request asks for, with ``reasoning_effort`` mapped in.
-
-    Args:
-        body: the request's JSON body (not changed).
-
-    Returns:
-        The template switches: the request's own, plus ``enable_thinking`` and
-        ``reasoning_effort`` from a ``reasoning_effort`` field ("none": ``enable_thinking=False``).
-
-    Raises:
-        ServeRequestError: `chat_template_kwargs` not an object or setting anything but the
-            switches in :data:`REQUEST_TEMPLATE_SWITCHES`; a ``reasoning_effort`` the template does
-            not take; a ``reasoning_effort`` that contradicts the request's own switches.
-    """
-    kwargs = body.get("chat_template_kwargs")
-    kwargs = {} if kwargs is None else kwargs
-    if not isinstance(kwargs, dict):
-        raise ServeRequestError(f"chat_template_kwargs must be an object, got {type(kwargs).__name__}")
-    other = sorted(set(kwargs) - set(REQUEST_TEMPLATE_SWITCHES))
-    if other:
-        raise ServeRequestError(
-            f"chat_template_kwargs may set only {list(REQUEST_TEMPLATE_SWITCHES)}; got {other}"
-        )
-    kwargs = dict(kwargs)
-    effort = body.get("reasoning_effort")
-    if effort is None:
-        return kwargs
-    if effort == "none":
-        wanted = {"enable_thinking": False}
-    elif effort in NAMED_EFFORTS or (type(effort) is int and 1 <= effort <= 100):
-        wanted = {"enable_thinking": True, "reasoning_effort": effort}
-    else:
-        raise ServeRequestError(
-            f"reasoning_effort must be one of {list(NAMED_EFFORTS)}, an integer in [1, 100], or 'none' "
-            f"(chat mode, no thinking); got {effort!r}"
-        )
-    if kwargs.get("thinking_mode") is not None:
-        kwargs.setdefault("enable_thinking", kwargs["thinking_mode"] == "thinking")
-    for key, value in wanted.items():
-        if kwargs.get(key, value) != value:
-            raise ServeRequestError(
-                f"reasoning_effort={effort!r} contradicts chat_template_kwargs {key}={kwargs[key]!r}"
-            )
-        kwargs[key] = value
-    return kwargs
-
-
-def check_request_images(processor_messages: list[dict], limits: ServeLimits) -> None:
-    """Refuse a request with too many images or a refused image URL, before any is read.
-
-    Args:
-        processor_messages: the request's messages as transformers' server hands them to the
-            processor (image parts are ``{"type": "image", "url": ...}``).
-        limits: the server's limits.
-
-    Raises:
-        ServeRequestError: more images than ``limits.max_images``; an http(s) URL while
-            ``limits.allow_image_urls`` is off.
-    """
-    urls = [
-        part.get("url")
-        for message in processor_messages
-        for part in (message.get("content") if isinstance(message.get("content"), list) else [])
-        if isinstance(part, dict) and part.get("type") == "image"
-    ]
-    if len(urls) > limits.max_images:
-        raise ServeRequestError(
-            f"the request has {len(urls)} images; this server takes at most {limits.max_images} (--max-images)"
-        )
-    if not limits.allow_image_urls:
-        for url in urls:
-            if isinstance(url, str) and url.startswith(("http://", "https://")):
-                raise ServeRequestError(
-                    f"image URL {url[:100]!r} refused: this server does not fetch http(s) URLs; send the image as a "
-                    "base64 data URL, or start the server with --allow-image-urls"
-                )
 
 
 def _with_image_limits(load_processor, limits: ServeLimits):
@@ -222,10 +130,10 @@ def _with_request_policy(build_server, limits: ServeLimits):
     from .processing.errors_deepseek_v41_vl import DeepseekV41ProcessingError
 
     def build(model_manager, chat_handler, *args, **kwargs):
-        # the handlers that take chat messages with images: chat completions and responses
-        for handler in (chat_handler, kwargs.get("response_handler")):
-            if handler is not None:
-                _apply_request_policy(handler, limits)
+        _apply_request_policy(chat_handler, limits, chat=True)
+        _apply_request_policy(kwargs["response_handler"], limits, chat=False)
+        _check_fields_only(kwargs["completion_handler"], limits)
+        _refuse_all(kwargs["systemone_handler"], "/v1/systemone is not served for DeepSeek-V4.1: use /v1/chat/completions")
         built = build_server(model_manager, chat_handler, *args, **kwargs)
 
         async def refused(_request, exc: Exception):
@@ -246,8 +154,9 @@ def _with_request_policy(build_server, limits: ServeLimits):
     return build
 
 
-def _apply_request_policy(handler, limits: ServeLimits) -> None:
-    """Wrap one transformers serving handler (instance attributes, so only this app's)."""
+def _apply_request_policy(handler, limits: ServeLimits, chat: bool) -> None:
+    """Wrap a transformers serving handler that takes messages with images (instance attributes,
+    so only this app's): chat completions (`chat`) or responses."""
     if limits.allow_image_urls:
         # the server's own template kwargs reach the processor call; a request's cannot
         # (request_template_kwargs lets through only the template's switches)
@@ -255,7 +164,12 @@ def _apply_request_policy(handler, limits: ServeLimits) -> None:
     messages_to_inputs = handler.get_processor_inputs_from_messages
 
     def checked_inputs(messages, modality):
-        inputs = messages_to_inputs(messages, modality)
+        try:
+            inputs = messages_to_inputs(messages, modality)
+        except KeyError as err:  # a part without its fields
+            raise ServeRequestError(f"malformed message: a part lacks its field {err}") from err
+        except (TypeError, ValueError, AttributeError) as err:
+            raise ServeRequestError(f"malformed message: {type(err).__name__}: {err}") from err
         check_request_images(inputs, limits)
         return inputs
 
@@ -263,10 +177,34 @@ def _apply_request_policy(handler, limits: ServeLimits) -> None:
     handle_request = handler.handle_request
 
     async def handle(body: dict, request_id: str):
-        template_kwargs = request_template_kwargs(body)
-        body = {key: value for key, value in body.items() if key != "reasoning_effort"}  # mapped in above
-        if template_kwargs or "chat_template_kwargs" in body:
-            body["chat_template_kwargs"] = template_kwargs
+        body = check_request_fields(body, limits, "max_tokens" if chat else "max_output_tokens")
+        if chat:
+            check_messages(body)
+            template_kwargs = request_template_kwargs(body)
+            body = {key: value for key, value in body.items() if key != "reasoning_effort"}  # mapped in above
+            if template_kwargs or "chat_template_kwargs" in body:
+                body["chat_template_kwargs"] = template_kwargs
+        elif isinstance(body.get("reasoning"), dict) and body["reasoning"].get("effort") is not None:
+            # the Responses schema takes no chat_template_kwargs to carry it (transformers ignores it)
+            raise ServeRequestError("reasoning.effort is not mapped on /v1/responses: use /v1/chat/completions "
+                                    "with reasoning_effort")
         return await handle_request(body, request_id)
+
+    handler.handle_request = handle
+
+
+def _check_fields_only(handler, limits: ServeLimits) -> None:
+    """Wrap a handler that takes no messages (completions) with the field checks."""
+    handle_request = handler.handle_request
+
+    async def handle(body: dict, request_id: str):
+        return await handle_request(check_request_fields(body, limits, "max_tokens"), request_id)
+
+    handler.handle_request = handle
+
+
+def _refuse_all(handler, message: str) -> None:
+    async def handle(body: dict, request_id: str):
+        raise ServeRequestError(message)
 
     handler.handle_request = handle

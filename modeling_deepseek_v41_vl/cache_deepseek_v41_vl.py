@@ -22,6 +22,8 @@ with ``max_crop=N`` can be cropped back to the end of any of its forwards of the
 
 from __future__ import annotations
 
+import numbers
+
 from dataclasses import dataclass
 
 import torch
@@ -445,7 +447,8 @@ class DeepseekV41Cache(Cache):
 
     def crop(self, max_length: int) -> None:
         """Rewind the cache to `max_length` positions, as the same forwards without those after it
-        left it, bit for bit (transformers' `DynamicCache.crop` semantics).
+        left it, bit for bit. Like transformers' `DynamicCache.crop`, a negative value removes
+        that many positions; unlike it, a positive value is the length to keep.
 
         Args:
             max_length: the new length (padded columns, as :meth:`get_seq_length` counts them);
@@ -464,8 +467,11 @@ class DeepseekV41Cache(Cache):
                 `max_crop` positions, inside a forward, inside an image span): the message names
                 the smallest length it can crop to and all those it can.
         """
-        if isinstance(max_length, bool) or not isinstance(max_length, int):
+        if isinstance(max_length, torch.Tensor) and max_length.dim() == 0 and not max_length.is_floating_point():
+            max_length = int(max_length)
+        if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral):
             raise DeepseekV41CacheError(f"crop takes an int length (negative: positions to remove), got {max_length!r}")
+        max_length = int(max_length)
         current = self._seen_tokens
         target = current + max_length if max_length < 0 else max_length
         if target < 0:

@@ -20,8 +20,9 @@ A crop goes back to the end of one of those forwards, bit for bit the state the 
 partial group and the Engram history of a length inside a chunk are not kept), so a length there
 is refused, as is one further back than N positions; the error names the lengths the cache can
 crop to. Cost: ``(window + N) x head_dim`` bf16 per layer and batch row, plus one small point per
-forward (``2 x ratio x head_dim`` fp32 per pooling layer and batch row); the default ``max_crop=0``
-keeps nothing and costs nothing.
+forward (``2 x ratio x head_dim`` fp32 per pooling layer and batch row), and in time a few small
+copies per layer after every forward, run eagerly outside the decode graphs (not measured on a
+GPU yet); the default ``max_crop=0`` keeps nothing and costs one check per forward.
 """
 
 from __future__ import annotations

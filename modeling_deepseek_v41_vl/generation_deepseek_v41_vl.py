@@ -104,7 +104,13 @@ def _check_continuation(input_ids, attention_mask, cache) -> None:
     if input_ids is None or not cached:
         return
     # transformers feeds input_ids[:, cached:]: they must be the whole conversation, not the new turn
-    if input_ids.size(1) <= cached:
+    if input_ids.size(1) == cached:
+        # no new token to feed, so no logits to start from: the cache has no logits stored
+        raise DeepseekV41ModelError(
+            f"the cache already holds all {cached} tokens of input_ids: generate needs at least one new token. To "
+            "answer a prompt again, keep its cache one token short (crop to a length before its last token)"
+        )
+    if input_ids.size(1) < cached:
         raise DeepseekV41ModelError(
             f"the cache holds {cached} tokens and input_ids {input_ids.size(1)}: on a filled cache give the whole "
             "conversation (the cached tokens, then the new ones)"

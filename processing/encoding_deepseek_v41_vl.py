@@ -388,14 +388,14 @@ def image_block_source(block: dict[str, Any]) -> Any:
 
     Raises:
         DeepseekV41ProcessorError: the block has no source, or several (which one is meant would
-            be a guess).
+            be a guess), or a source that is a list, tuple, set or mapping (one block is one image).
     """
     if block.get("type") == "image_url":
         url = block.get("image_url")
         url = url.get("url") if isinstance(url, dict) else url
         if url is None or (isinstance(url, str) and not url.strip()):
             raise DeepseekV41ProcessorError(f"image block has no source (image_url.url): {block!r:.200}")
-        return url
+        return _one_image(url, block)
     present = [key for key in _IMAGE_SOURCE_KEYS if _has_value(block.get(key))]
     if not present:
         raise DeepseekV41ProcessorError(
@@ -405,9 +405,18 @@ def image_block_source(block: dict[str, Any]) -> Any:
         raise DeepseekV41ProcessorError(
             f"image block has several sources {present}; give exactly one: {block!r:.200}"
         )
-    value = block[present[0]]
+    value = _one_image(block[present[0]], block)
     if present[0] == "base64" and isinstance(value, str) and not value.startswith("data:"):
         return "data:;base64," + value
+    return value
+
+
+def _one_image(value: Any, block: dict[str, Any]) -> Any:
+    # a list would reach the image processor as several images behind one placeholder
+    if isinstance(value, (list, tuple, set, dict)):
+        raise DeepseekV41ProcessorError(
+            f"an image block holds one image, got a {type(value).__name__} as its source: {block!r:.200}"
+        )
     return value
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
 import deepseek_v41_vl  # noqa: F401  (registers the Auto classes)
 from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache, DeepseekV41CacheError
 from deepseek_v41_vl.modeling.crop_deepseek_v41_vl import DeepseekV41CropHistory
+from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41ModelError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -232,7 +234,7 @@ def test_the_crop_length_semantics_and_refusals(tiny_model):
         cache.crop(24)
     with pytest.raises(DeepseekV41CacheError, match=r"27 lies inside the forward of positions \[26, 29\): the cache has a state only at the end of a forward; the smallest length it can crop to is 25"):
         cache.crop(-2)
-    for bad in (1.5, "3", True, torch.tensor(3)):
+    for bad in (1.5, "3", True, torch.tensor(3.0), torch.tensor([3])):
         with pytest.raises(DeepseekV41CacheError, match="crop takes an int length"):
             cache.crop(bad)
     with pytest.raises(DeepseekV41CacheError, match="removes 30 positions, the cache holds 29"):
@@ -240,8 +242,9 @@ def test_the_crop_length_semantics_and_refusals(tiny_model):
     for bad in (-1, 2.0, True):
         with pytest.raises(DeepseekV41CacheError, match="max_crop must be an int >= 0"):
             DeepseekV41Cache(tiny_model.config, max_crop=bad)
-    cache.crop(26)
+    cache.crop(torch.tensor(26))  # any integer: a 0-d integer tensor, a NumPy integer
     assert cache.get_seq_length() == 26 and cache.crop_history.lengths(26) == [25, 26]
+    cache.crop(np.int64(26))
     # a batch selection starts the history again (its rows were the old batch's) at the current
     # length, which a later crop can go back to
     cache.batch_select_indices(torch.tensor([0]))
@@ -273,4 +276,19 @@ def test_generate_continues_a_cropped_cache_as_it_went_the_first_time(tiny_model
         assert cache.get_seq_length() == PROMPT + 5  # the last token is not fed
         cache.crop(PROMPT + 2)  # after two decode steps: generate feeds the third token again
         again = tiny_model.generate(input_ids=first[:, : PROMPT + 3], cache=cache, max_new_tokens=3, do_sample=False)
+    assert torch.equal(again, first)
+
+
+def test_a_prompt_is_answered_again_from_its_cache_kept_one_token_short(tiny_model):
+    ids = _ids(n=PROMPT)
+    cache = DeepseekV41Cache(tiny_model.config, max_crop=8)
+    with torch.no_grad():
+        tiny_model(input_ids=ids[:, :-1], cache=cache)  # the prompt but its last token
+        first = tiny_model.generate(input_ids=ids, cache=cache, max_new_tokens=4, do_sample=False)
+        with pytest.raises(DeepseekV41ModelError, match="generate needs at least one new token"):
+            full = DeepseekV41Cache(tiny_model.config)
+            tiny_model(input_ids=ids, cache=full)
+            tiny_model.generate(input_ids=ids, cache=full, max_new_tokens=1)
+        cache.crop(PROMPT - 1)
+        again = tiny_model.generate(input_ids=ids, cache=cache, max_new_tokens=4, do_sample=False)
     assert torch.equal(again, first)

@@ -11,10 +11,12 @@ import base64
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,11 +36,12 @@ from deepseek_v41_vl.processing.encoding_deepseek_v41_vl import (
     DSML_PARAMETER_CLOSE,
     EOS_TOKEN,
 )
-from deepseek_v41_vl.serve import ServeRequestError, request_template_kwargs
+from deepseek_v41_vl.serve_policy import ServeRequestError, request_template_kwargs
 from helpers import png_header_only
 
 MAX_IMAGES = 3
 MAX_IMAGE_BYTES = 300_000  # chelsea (240 kB) and rocket (113 kB) pass; hubble_deep_field (528 kB) does not
+MAX_TOKENS = 64
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -89,7 +92,15 @@ def local(folder):
 
 
 @pytest.fixture(scope="module")
-def server(folder, tmp_path_factory):
+def image_dir(tmp_path_factory, photos) -> Path:
+    """The folder local image paths may name (--image-dir), holding a copy of the first photo."""
+    folder = tmp_path_factory.mktemp("images")
+    shutil.copy(photos[0], folder / "photo.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(folder, image_dir, tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     prompts = log.with_name("prompts.jsonl")
@@ -97,7 +108,8 @@ def server(folder, tmp_path_factory):
         proc = subprocess.Popen(
             [sys.executable, "-c", SERVE_WITH_PROMPT_LOG, str(folder), "--device", "cpu",
              "--host", "127.0.0.1", "--port", str(port),
-             "--max-images", str(MAX_IMAGES), "--max-image-bytes", str(MAX_IMAGE_BYTES)],
+             "--max-images", str(MAX_IMAGES), "--max-image-bytes", str(MAX_IMAGE_BYTES), "--image-dir", str(image_dir),
+             "--max-tokens", str(MAX_TOKENS)],
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PROMPT_LOG": str(prompts)},
         )
     try:
@@ -111,7 +123,7 @@ def server(folder, tmp_path_factory):
                     raise RuntimeError(f"the server did not come up:\n{log.read_text()[-3000:]}") from None
                 time.sleep(1)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        yield client, str(folder), prompts
+        yield client, str(folder), prompts, port
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -165,7 +177,7 @@ def _streamed(chunks) -> tuple[str, str, list, str]:
 
 
 def test_an_image_request_gets_what_generate_gives(server, local, photos):
-    client, name, _ = server
+    client, name, *_ = server
     messages = [_image_message(photos[0], "What is it?")]
     reply = client.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0)
     prompt_length, parsed = _expected(local, messages, 6)
@@ -176,7 +188,7 @@ def test_an_image_request_gets_what_generate_gives(server, local, photos):
 
 
 def test_streaming_gives_the_same_text(server, photos):
-    client, name, _ = server
+    client, name, *_ = server
     messages = [_image_message(photos[1], "Describe it.")]
     whole = client.chat.completions.create(model=name, messages=messages, max_tokens=5, temperature=0)
     content, _, _, finish = _streamed(
@@ -189,7 +201,7 @@ def _last_prompt(log: Path) -> dict:
 
 
 def test_two_images_in_two_turns_reach_the_model_in_order(server, local, photos):
-    client, name, log = server
+    client, name, log, _ = server
     processor, _ = local
 
     def conversation(first, second):
@@ -212,7 +224,7 @@ def test_two_images_in_two_turns_reach_the_model_in_order(server, local, photos)
 
 @pytest.mark.parametrize("effort", ["high", 20])
 def test_a_thinking_request_splits_reasoning_from_content(server, local, effort):
-    client, name, _ = server
+    client, name, *_ = server
     messages = [{"role": "user", "content": "How many legs has a spider?"}]
     reply = client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0,
                                            reasoning_effort=effort)
@@ -240,7 +252,7 @@ def _tool_call_text() -> str:
 
 
 def test_a_tools_request_gets_the_tool_call_back(server, local):
-    client, name, _ = server
+    client, name, *_ = server
     processor, model = local
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     prompt = processor.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True,
@@ -274,7 +286,7 @@ def test_a_tools_request_gets_the_tool_call_back(server, local):
 
 
 def test_the_models_endpoint_lists_the_folder(server):
-    client, name, _ = server
+    client, name, *_ = server
     assert name in [m.id for m in client.models.list().data]
 
 
@@ -300,14 +312,25 @@ def _bad_requests(golden, photos) -> dict[str, tuple[dict, str]]:
         "too many images": ({"messages": many}, f"4 images; this server takes at most {MAX_IMAGES}"),
         "http URL": ({"messages": one_image("http://127.0.0.1:9/cat.png")}, "--allow-image-urls"),
         "unknown model": ({"model": "someone/another-model"}, "pinned"),
-        "unknown effort": ({"reasoning_effort": "medium"}, "reasoning_effort must be one of"),
+        "unknown effort": ({"reasoning_effort": "medium"}, "reasoning_effort must be"),
         "processor options": ({"extra_body": {"chat_template_kwargs": {"processor_kwargs": {"allow_urls": True}}}},
                               "may set only"),
+        "several images in one part": ({"messages": one_image([_data_url(photos[1])] * 5)}, "non-empty string"),
+        "file URL": ({"messages": one_image("file:///etc/passwd")}, "scheme 'file'"),
+        "path outside --image-dir": ({"messages": one_image("/etc/passwd")}, "not a file under --image-dir"),
+        "path escaping --image-dir": ({"messages": one_image("../photo.png")}, "not a file under --image-dir"),
+        "message without a role": ({"messages": [{"content": "Hello"}]}, "string role"),
+        "content of a number": ({"messages": [{"role": "user", "content": 7}]}, "content must be"),
+        "broken generation_config": ({"extra_body": {"generation_config": "{"}}, "generation_config is not usable"),
+        "temperature not a number": ({"temperature": "hot"}, "temperature must be a number"),
+        "no tokens": ({"max_tokens": 0}, "max_tokens must be an integer in"),
+        "more tokens than --max-tokens": ({"max_tokens": 10**12}, f"max_tokens must be an integer in \\[1, {MAX_TOKENS}\\]"),
+        "negative temperature": ({"temperature": -1}, r"temperature must be a number in \[0, 2\]"),
     }
 
 
 def test_bad_requests_get_a_400_naming_the_problem_and_the_server_goes_on(server, golden, photos):
-    client, name, _ = server
+    client, name, *_ = server
     good = {"model": name, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
     for case, (fields, says) in _bad_requests(golden, photos).items():
         with pytest.raises(openai.BadRequestError, match=says):
@@ -316,8 +339,54 @@ def test_bad_requests_get_a_400_naming_the_problem_and_the_server_goes_on(server
         assert reply.usage.completion_tokens == 2, case
 
 
+def test_a_request_naming_no_token_count_gets_the_servers_cap(server):
+    client, name, *_ = server
+    reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Tell a long story."}],
+                                           temperature=0)
+    assert reply.usage.completion_tokens <= MAX_TOKENS
+    assert reply.choices[0].finish_reason == ("length" if reply.usage.completion_tokens == MAX_TOKENS else "stop")
+
+
+def test_a_local_path_under_the_image_dir_is_read_and_nothing_else(server, photos):
+    client, name, log, _ = server
+    ask = {"model": name, "max_tokens": 2, "temperature": 0}
+    by_path = client.chat.completions.create(**ask, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "photo.png"}}, {"type": "text", "text": "What is it?"}]}])
+    seen_path = _last_prompt(log)
+    by_data = client.chat.completions.create(**ask, messages=[_image_message(photos[0], "What is it?")])
+    assert seen_path == _last_prompt(log) and seen_path["pixels"] is not None
+    assert by_path.choices[0].message.content == by_data.choices[0].message.content
+
+
+def test_the_responses_endpoint_takes_images_under_the_same_policy(server, local, photos):
+    client, name, log, _ = server
+    processor, _ = local
+    url = _data_url(photos[1])
+    reply = client.responses.create(model=name, max_output_tokens=3, temperature=0, stream=False, input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": url}, {"type": "input_text", "text": "Describe it."}]}])
+    inputs = processor.apply_chat_template(_as_local([_image_message(photos[1], "Describe it.")]), add_generation_prompt=True,
+                                           tokenize=True, return_dict=True, return_tensors="pt")
+    assert _last_prompt(log)["input_ids"] == inputs["input_ids"].tolist()
+    assert reply.usage.output_tokens == 3
+    many = [{"type": "input_image", "image_url": url}] * (MAX_IMAGES + 1)
+    with pytest.raises(openai.BadRequestError, match=f"at most {MAX_IMAGES}"):
+        client.responses.create(model=name, max_output_tokens=2, input=[{"role": "user", "content": many}])
+    with pytest.raises(openai.BadRequestError, match="reasoning.effort is not mapped"):
+        client.responses.create(model=name, max_output_tokens=2, input="Hi", reasoning={"effort": "high"})
+
+
+def test_systemone_is_refused(server):
+    _, name, _, port = server
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/systemone", method="POST",
+                                     data=json.dumps({"model": name, "questions": []}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 400 and "systemone is not served" in refused.value.read().decode()
+
+
 def test_concurrent_clients_each_get_their_own_reply(server, local, photos):
-    client, name, _ = server
+    client, name, *_ = server
     prompts = [[{"role": "user", "content": f"Count to {n}."}] for n in (3, 5)]
     prompts += [[_image_message(photos[0], "Name it.")], [_image_message(photos[1], "Where is it?")]]
     want = [_expected(local, messages, 4) for messages in prompts]
@@ -348,7 +417,9 @@ def test_request_template_kwargs_maps_reasoning_effort():
     assert request_template_kwargs({"reasoning_effort": "none"}) == {"enable_thinking": False}
     assert request_template_kwargs({"chat_template_kwargs": {"thinking_mode": "thinking"}, "reasoning_effort": 30}) == {
         "thinking_mode": "thinking", "enable_thinking": True, "reasoning_effort": 30}
-    for bad in ({"reasoning_effort": True}, {"reasoning_effort": 101}, {"chat_template_kwargs": []},
+    # an effort the template does not take is its to refuse (tested through the server above)
+    assert request_template_kwargs({"reasoning_effort": "medium"}) == {"enable_thinking": True, "reasoning_effort": "medium"}
+    for bad in ({"chat_template_kwargs": []},
                 {"chat_template_kwargs": {"thinking_mode": "chat"}, "reasoning_effort": "low"},
                 {"chat_template_kwargs": {"reasoning_effort": "low"}, "reasoning_effort": "high"},
                 {"chat_template_kwargs": {"tokenize": False}}):

@@ -37,7 +37,8 @@ Design (:func:`moe_experts_triton`):
 3. **Gate-up launch**, grid ``(P, cdiv(I, BLOCK_N))`` over the ``P = T*k`` pairs in token-major
    order: program (p, n) works for expert ``e = ids[p]`` only if p is that expert's first pair
    (else it has nothing to do); it then takes all pairs of e (``BLOCK_M`` at a time, in pair
-   order), so each weight tile is read once per call however many tokens share the expert. The
+   order): with up to ``BLOCK_M`` (16) pairs on an expert each weight tile is read once per call;
+   more pairs re-read it once per further ``BLOCK_M`` (identical decode rows share experts). The
    tile product is "swap-AB": ``W[BLOCK_N, K] @ fq(x)^T[K, BLOCK_M]``, weight rows on the MMA's M
    side (tokens are few). The epilogue rounds g and u to bf16 (ties to even, by bits), clamps,
    applies silu and the routing weight, rounds h to bf16 and, for quantized experts, applies the

@@ -1,0 +1,224 @@
+"""What `deepseek-v41-vl serve` accepts from a request, checked before the model or any image is
+touched (the app wiring is `serve.py`).
+
+- Images: at most ``max_images`` per request (all turns together). Each image is a base64 data
+  URL; an http(s) URL only with ``--allow-image-urls``; a local path only inside ``--image-dir``
+  (resolved, symlinks followed, a regular file). Other schemes (``file:``, ``ftp:``...) are refused.
+  The byte and pixel caps per image are the image processor's (``max_image_bytes``,
+  ``max_image_pixels``), set from the options and checked before decoding.
+- Thinking: ``reasoning_effort`` ("none" for chat mode; otherwise thinking mode with the effort,
+  which the chat template checks) on chat completions; the request's ``chat_template_kwargs`` may
+  set only the template's switches, never the processor's options.
+- Fields transformers' handlers would turn into a bare 500 (``messages`` not a list of role
+  messages, sampling numbers that are not numbers, a ``generation_config`` that does not parse).
+
+Every refusal is a :class:`ServeRequestError`, answered with HTTP 400 and its message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+# The chat template's switches a request may set through `chat_template_kwargs`.
+REQUEST_TEMPLATE_SWITCHES = ("thinking_mode", "enable_thinking", "reasoning_effort", "drop_thinking")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+# OpenAI's ranges of the sampling numbers
+_NUMBER_FIELDS = {"temperature": (0, 2), "top_p": (0, 1), "frequency_penalty": (-2, 2), "presence_penalty": (-2, 2)}
+# the token-count fields of chat completions, completions and responses
+_COUNT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """The server's image limits (command-line options of `deepseek-v41-vl serve`).
+
+    Attributes:
+        max_images: ``--max-images``, images in one request, all turns together (default 16).
+        max_image_bytes: ``--max-image-bytes``, encoded bytes of one image (default 20 MiB).
+        max_image_pixels: ``--max-image-pixels``, width * height of one image, from its header
+            (default 50,000,000, e.g. 8660 x 5773; the model resizes every image to at most 1024
+            prompt positions anyway).
+        allow_image_urls: ``--allow-image-urls``, fetch http(s) image URLs (off by default: the
+            server would fetch any address a client names).
+        image_dir: ``--image-dir DIR``, the folder local image paths may name (None, the
+            default: local paths are refused, since the server would read any file it can).
+        max_tokens: ``--max-tokens``, new tokens one request may ask for (default 32768, the
+            released generation config's); a request that names none gets this many at most.
+            Requests run one at a time, so this bounds how long one can hold the server.
+    """
+
+    max_images: int = 16
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 50_000_000
+    allow_image_urls: bool = False
+    image_dir: str | None = None
+    max_tokens: int = 32768
+
+
+class ServeRequestError(ValueError):
+    """A request this server refuses (answered with HTTP 400 and this message)."""
+
+
+def request_template_kwargs(body: dict) -> dict:
+    """The `chat_template_kwargs` a chat request asks for, with ``reasoning_effort`` mapped in.
+
+    Args:
+        body: the request's JSON body (not changed).
+
+    Returns:
+        The template switches: the request's own, plus ``enable_thinking`` (and
+        ``reasoning_effort``) from a ``reasoning_effort`` field: "none" is chat mode, any other
+        value thinking mode with that effort (the template refuses efforts it does not take).
+
+    Raises:
+        ServeRequestError: `chat_template_kwargs` not an object or setting anything but
+            :data:`REQUEST_TEMPLATE_SWITCHES`; a ``reasoning_effort`` that contradicts them.
+    """
+    kwargs = body.get("chat_template_kwargs")
+    kwargs = {} if kwargs is None else kwargs
+    if not isinstance(kwargs, dict):
+        raise ServeRequestError(f"chat_template_kwargs must be an object, got {type(kwargs).__name__}")
+    other = sorted(set(kwargs) - set(REQUEST_TEMPLATE_SWITCHES))
+    if other:
+        raise ServeRequestError(f"chat_template_kwargs may set only {list(REQUEST_TEMPLATE_SWITCHES)}; got {other}")
+    kwargs = dict(kwargs)
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return kwargs
+    wanted = {"enable_thinking": False} if effort == "none" else {"enable_thinking": True, "reasoning_effort": effort}
+    if kwargs.get("thinking_mode") is not None:
+        kwargs.setdefault("enable_thinking", kwargs["thinking_mode"] == "thinking")
+    for key, value in wanted.items():
+        if kwargs.get(key, value) != value:
+            raise ServeRequestError(f"reasoning_effort={effort!r} contradicts chat_template_kwargs {key}={kwargs[key]!r}")
+        kwargs[key] = value
+    return kwargs
+
+
+def check_request_fields(body: dict, limits: ServeLimits, count_field: str) -> dict:
+    """Refuse the fields transformers' handlers would fail on with a 500, and bound the new tokens.
+
+    Args:
+        body: the request's JSON body (not changed).
+        limits: the server's limits (``max_tokens``).
+        count_field: the endpoint's token-count field, set to ``limits.max_tokens`` when the
+            request names none (``max_tokens`` or ``max_output_tokens``).
+
+    Returns:
+        The body to serve (a copy when a count was added).
+
+    Raises:
+        ServeRequestError: a sampling number outside OpenAI's range (temperature [0, 2], top_p
+            [0, 1], penalties [-2, 2]) or not a number; a token count that is not an integer in
+            [1, ``limits.max_tokens``]; a ``seed`` that is not an integer; a ``generation_config``
+            that is not a JSON object string transformers' `GenerationConfig` takes.
+    """
+    from transformers import GenerationConfig
+
+    for name, (low, high) in _NUMBER_FIELDS.items():
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high):
+            raise ServeRequestError(f"{name} must be a number in [{low}, {high}], got {value!r:.100}")
+    for name in _COUNT_FIELDS:
+        value = body.get(name)
+        if value is not None and (type(value) is not int or not 1 <= value <= limits.max_tokens):
+            raise ServeRequestError(
+                f"{name} must be an integer in [1, {limits.max_tokens}] (--max-tokens), got {value!r:.100}"
+            )
+    if body.get("seed") is not None and type(body["seed"]) is not int:
+        raise ServeRequestError(f"seed must be an integer, got {body['seed']!r:.100}")
+    config = body.get("generation_config")
+    if config is not None:
+        try:
+            fields = json.loads(config) if isinstance(config, str) else None
+            if not isinstance(fields, dict):
+                raise TypeError("not a JSON object string")
+            GenerationConfig(**fields).validate()
+        except Exception as err:  # whatever GenerationConfig raises for bad values
+            raise ServeRequestError(f"generation_config is not usable: {type(err).__name__}: {err}") from err
+    if all(body.get(name) is None for name in _COUNT_FIELDS):
+        # the handlers apply the request's count last, over the model's and generation_config's
+        body = {**body, count_field: limits.max_tokens}
+    return body
+
+
+def check_messages(body: dict) -> None:
+    """Refuse a chat request whose ``messages`` are not a non-empty list of role messages.
+
+    Raises:
+        ServeRequestError: ``messages`` missing or empty, a message that is not an object with a
+            string ``role``, or content that is not a string, null or a list of typed parts.
+    """
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ServeRequestError("messages must be a non-empty list of messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ServeRequestError(f"messages[{i}] must be an object with a string role, got {message!r:.200}")
+        content = message.get("content")
+        parts = content if isinstance(content, list) else []
+        if not (content is None or isinstance(content, str) or isinstance(content, list)) or not all(
+            isinstance(part, dict) and isinstance(part.get("type"), str) for part in parts
+        ):
+            raise ServeRequestError(
+                f"messages[{i}].content must be a string, null or a list of parts with a type, got {content!r:.200}"
+            )
+
+
+def check_request_images(processor_messages: list[dict], limits: ServeLimits) -> None:
+    """Refuse a request with too many images or an image source the server does not read, before
+    any is read; local paths are rewritten in place to their resolved absolute path.
+
+    Args:
+        processor_messages: the request's messages as transformers' server hands them to the
+            processor (image parts are ``{"type": "image", "url": ...}``).
+        limits: the server's limits.
+
+    Raises:
+        ServeRequestError: more images than ``limits.max_images``; a source that is not a string;
+            an http(s) URL while ``limits.allow_image_urls`` is off; another URL scheme; a local
+            path without ``limits.image_dir``, outside it, or not a regular file.
+    """
+    parts = [
+        part
+        for message in processor_messages
+        for part in (message.get("content") if isinstance(message.get("content"), list) else [])
+        if isinstance(part, dict) and part.get("type") == "image"
+    ]
+    if len(parts) > limits.max_images:
+        raise ServeRequestError(
+            f"the request has {len(parts)} images; this server takes at most {limits.max_images} (--max-images)"
+        )
+    for part in parts:
+        part["url"] = _checked_source(part.get("url"), limits)
+
+
+def _checked_source(url, limits: ServeLimits) -> str:
+    if not isinstance(url, str) or not url.strip():
+        raise ServeRequestError(f"an image URL must be a non-empty string (a base64 data URL), got {url!r:.100}")
+    scheme = _SCHEME.match(url)
+    if scheme is not None:
+        name = scheme.group(1).lower()
+        if name == "data":
+            return url
+        if name in ("http", "https"):
+            if not limits.allow_image_urls:
+                raise ServeRequestError(
+                    f"image URL {url[:100]!r} refused: this server does not fetch http(s) URLs; send the image as a "
+                    "base64 data URL, or start the server with --allow-image-urls"
+                )
+            return name + url[len(name):]  # the processor fetches lower-case schemes
+        raise ServeRequestError(f"image URL scheme {name!r} is not read: send a base64 data URL")
+    if limits.image_dir is None:
+        raise ServeRequestError(
+            f"local image path {url[:100]!r} refused: send the image as a base64 data URL, or start the server "
+            "with --image-dir DIR to read images under DIR"
+        )
+    root = os.path.realpath(limits.image_dir)
+    path = os.path.realpath(os.path.join(root, url))
+    if os.path.commonpath([root, path]) != root or not os.path.isfile(path):
+        raise ServeRequestError(f"local image path {url[:100]!r} is not a file under --image-dir")
+    return path
