@@ -16,7 +16,8 @@ What it adds to the app transformers builds:
   limits (count, bytes, pixels, sources; see :class:`ServeLimits` for the options), the
   ``reasoning_effort`` mapping, and checks of the fields transformers would fail on with a 500;
 - ``/v1/systemone`` answers 400: its pipeline loads images its own way, past these limits, and
-  cannot run this model's processor;
+  cannot run this model's processor; ``/load_model`` and ``/reset`` answer 403 (a client would
+  load another model into the server or unload this one);
 - errors: a request refused by the policy or by the processor (a broken data URL, a truncated
   file, an image over a limit, more images than placeholders, a bad template switch) is answered
   with HTTP 400 and a message naming the problem, in the OpenAI error shape; transformers would
@@ -36,6 +37,7 @@ from .serve_policy import (
     check_messages,
     check_request_fields,
     check_request_images,
+    check_responses_input,
     request_template_kwargs,
 )
 
@@ -146,6 +148,14 @@ def _with_request_policy(build_server, limits: ServeLimits):
             body = {"error": {"message": message, "type": "invalid_request_error"}, "detail": exc.detail}
             return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
+        @built.middleware("http")
+        async def pinned(request, call_next):
+            # a client must not load another model into this server, or unload this one
+            if request.url.path in ("/load_model", "/reset"):
+                message = f"{request.url.path} is not served by deepseek-v41-vl serve"
+                return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}}, status_code=403)
+            return await call_next(request)
+
         built.add_exception_handler(DeepseekV41ProcessingError, refused)
         built.add_exception_handler(ServeRequestError, refused)
         built.add_exception_handler(HTTPException, http_error)
@@ -174,6 +184,16 @@ def _apply_request_policy(handler, limits: ServeLimits, chat: bool) -> None:
         return inputs
 
     handler.get_processor_inputs_from_messages = checked_inputs
+    normalize = getattr(handler, "_normalize_input", None)  # responses: input items -> messages
+    if normalize is not None:
+
+        def checked_normalize(body):
+            try:
+                return normalize(body)
+            except (KeyError, TypeError, ValueError, AttributeError) as err:
+                raise ServeRequestError(f"malformed input item: {type(err).__name__}: {err}") from err
+
+        handler._normalize_input = checked_normalize
     handle_request = handler.handle_request
 
     async def handle(body: dict, request_id: str):
@@ -184,10 +204,12 @@ def _apply_request_policy(handler, limits: ServeLimits, chat: bool) -> None:
             body = {key: value for key, value in body.items() if key != "reasoning_effort"}  # mapped in above
             if template_kwargs or "chat_template_kwargs" in body:
                 body["chat_template_kwargs"] = template_kwargs
-        elif isinstance(body.get("reasoning"), dict) and body["reasoning"].get("effort") is not None:
-            # the Responses schema takes no chat_template_kwargs to carry it (transformers ignores it)
-            raise ServeRequestError("reasoning.effort is not mapped on /v1/responses: use /v1/chat/completions "
-                                    "with reasoning_effort")
+        else:
+            check_responses_input(body)
+            if isinstance(body.get("reasoning"), dict) and body["reasoning"].get("effort") is not None:
+                # the Responses schema takes no chat_template_kwargs to carry it (transformers ignores it)
+                raise ServeRequestError("reasoning.effort is not mapped on /v1/responses: use /v1/chat/completions "
+                                        "with reasoning_effort")
         return await handle_request(body, request_id)
 
     handler.handle_request = handle

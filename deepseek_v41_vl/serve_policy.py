@@ -25,8 +25,15 @@ from dataclasses import dataclass
 # The chat template's switches a request may set through `chat_template_kwargs`.
 REQUEST_TEMPLATE_SWITCHES = ("thinking_mode", "enable_thinking", "reasoning_effort", "drop_thinking")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
-# OpenAI's ranges of the sampling numbers
-_NUMBER_FIELDS = {"temperature": (0, 2), "top_p": (0, 1), "frequency_penalty": (-2, 2), "presence_penalty": (-2, 2)}
+# OpenAI's ranges of the sampling numbers; frequency_penalty becomes transformers'
+# repetition_penalty = 1 + frequency_penalty, which must stay > 0
+_NUMBER_FIELDS = {"temperature": (0, 2), "top_p": (0, 1), "frequency_penalty": (-0.99, 2), "presence_penalty": (-2, 2)}
+# `generation_config` keys a request may set: sampling and token biases, nothing that changes the
+# search (beams, candidate generation) or the cache
+GENERATION_CONFIG_KEYS = (
+    "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "eos_token_id", "pad_token_id",
+    "sequence_bias", "min_new_tokens", "max_new_tokens",
+)
 # the token-count fields of chat completions, completions and responses
 _COUNT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
@@ -111,10 +118,13 @@ def check_request_fields(body: dict, limits: ServeLimits, count_field: str) -> d
         The body to serve (a copy when a count was added).
 
     Raises:
-        ServeRequestError: a sampling number outside OpenAI's range (temperature [0, 2], top_p
-            [0, 1], penalties [-2, 2]) or not a number; a token count that is not an integer in
-            [1, ``limits.max_tokens``]; a ``seed`` that is not an integer; a ``generation_config``
-            that is not a JSON object string transformers' `GenerationConfig` takes.
+        ServeRequestError: a sampling number outside its range (temperature [0, 2], top_p [0, 1],
+            frequency_penalty [-0.99, 2], presence_penalty [-2, 2]) or not a number; a token
+            count that is not an integer in [1, ``limits.max_tokens``]; a ``seed`` outside 64
+            bits; a ``stop`` that is not a string or list of strings; a ``logit_bias`` that is
+            not token ids to numbers in [-100, 100]; a ``suffix`` that is not a string; a
+            ``generation_config`` that is not a JSON object string of
+            :data:`GENERATION_CONFIG_KEYS` transformers' `GenerationConfig` takes.
     """
     from transformers import GenerationConfig
 
@@ -128,14 +138,36 @@ def check_request_fields(body: dict, limits: ServeLimits, count_field: str) -> d
             raise ServeRequestError(
                 f"{name} must be an integer in [1, {limits.max_tokens}] (--max-tokens), got {value!r:.100}"
             )
-    if body.get("seed") is not None and type(body["seed"]) is not int:
-        raise ServeRequestError(f"seed must be an integer, got {body['seed']!r:.100}")
+    seed = body.get("seed")
+    if seed is not None and (type(seed) is not int or not -(2**63) <= seed < 2**64):
+        raise ServeRequestError(f"seed must be an integer in [-2**63, 2**64), got {seed!r:.100}")
+    stop = body.get("stop")
+    if stop is not None and not (
+        (isinstance(stop, str) and stop)
+        or (isinstance(stop, list) and stop and all(isinstance(item, str) and item for item in stop))
+    ):
+        raise ServeRequestError(f"stop must be a non-empty string or a non-empty list of them, got {stop!r:.100}")
+    bias = body.get("logit_bias")
+    if bias is not None and not (
+        isinstance(bias, dict)
+        and all(isinstance(k, str) and k.isdigit() for k in bias)
+        and all(not isinstance(v, bool) and isinstance(v, (int, float)) and -100 <= v <= 100 for v in bias.values())
+    ):
+        raise ServeRequestError(f"logit_bias must map token ids (digit strings) to numbers in [-100, 100], got {bias!r:.100}")
+    if body.get("suffix") is not None and not isinstance(body["suffix"], str):
+        raise ServeRequestError(f"suffix must be a string, got {body['suffix']!r:.100}")
     config = body.get("generation_config")
     if config is not None:
         try:
             fields = json.loads(config) if isinstance(config, str) else None
             if not isinstance(fields, dict):
                 raise TypeError("not a JSON object string")
+            other = sorted(set(fields) - set(GENERATION_CONFIG_KEYS))
+            if other:
+                raise KeyError(f"keys {other} are not taken; it may set {list(GENERATION_CONFIG_KEYS)}")
+            penalty = fields.get("repetition_penalty", 1.0)
+            if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or penalty <= 0:
+                raise ValueError(f"repetition_penalty must be a number > 0, got {penalty!r}")
             GenerationConfig(**fields).validate()
         except Exception as err:  # whatever GenerationConfig raises for bad values
             raise ServeRequestError(f"generation_config is not usable: {type(err).__name__}: {err}") from err
@@ -143,6 +175,17 @@ def check_request_fields(body: dict, limits: ServeLimits, count_field: str) -> d
         # the handlers apply the request's count last, over the model's and generation_config's
         body = {**body, count_field: limits.max_tokens}
     return body
+
+
+def check_responses_input(body: dict) -> None:
+    """Refuse a Responses request whose ``input`` is not a non-empty string or list of objects.
+
+    Raises:
+        ServeRequestError: ``input`` missing, empty, or a list holding something but objects.
+    """
+    value = body.get("input")
+    if not ((isinstance(value, str) and value) or (isinstance(value, list) and value and all(isinstance(v, dict) for v in value))):
+        raise ServeRequestError(f"input must be a non-empty string or a list of input items, got {value!r:.100}")
 
 
 def check_messages(body: dict) -> None:
@@ -197,13 +240,13 @@ def check_request_images(processor_messages: list[dict], limits: ServeLimits) ->
 
 
 def _checked_source(url, limits: ServeLimits) -> str:
-    if not isinstance(url, str) or not url.strip():
+    if not isinstance(url, str) or not url.strip() or "\x00" in url:
         raise ServeRequestError(f"an image URL must be a non-empty string (a base64 data URL), got {url!r:.100}")
     scheme = _SCHEME.match(url)
     if scheme is not None:
         name = scheme.group(1).lower()
         if name == "data":
-            return url
+            return "data" + url[len(name):]  # the processor reads lower-case data URLs
         if name in ("http", "https"):
             if not limits.allow_image_urls:
                 raise ServeRequestError(

@@ -467,7 +467,8 @@ class DeepseekV41Cache(Cache):
                 `max_crop` positions, inside a forward, inside an image span): the message names
                 the smallest length it can crop to and all those it can.
         """
-        if isinstance(max_length, torch.Tensor) and max_length.dim() == 0 and not max_length.is_floating_point():
+        if isinstance(max_length, torch.Tensor) and max_length.dim() == 0 and not max_length.is_floating_point() \
+                and max_length.dtype != torch.bool:
             max_length = int(max_length)
         if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral):
             raise DeepseekV41CacheError(f"crop takes an int length (negative: positions to remove), got {max_length!r}")

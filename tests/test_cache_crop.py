@@ -234,7 +234,7 @@ def test_the_crop_length_semantics_and_refusals(tiny_model):
         cache.crop(24)
     with pytest.raises(DeepseekV41CacheError, match=r"27 lies inside the forward of positions \[26, 29\): the cache has a state only at the end of a forward; the smallest length it can crop to is 25"):
         cache.crop(-2)
-    for bad in (1.5, "3", True, torch.tensor(3.0), torch.tensor([3])):
+    for bad in (1.5, "3", True, torch.tensor(3.0), torch.tensor([3]), torch.tensor(True)):
         with pytest.raises(DeepseekV41CacheError, match="crop takes an int length"):
             cache.crop(bad)
     with pytest.raises(DeepseekV41CacheError, match="removes 30 positions, the cache holds 29"):

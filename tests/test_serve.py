@@ -93,10 +93,13 @@ def local(folder):
 
 @pytest.fixture(scope="module")
 def image_dir(tmp_path_factory, photos) -> Path:
-    """The folder local image paths may name (--image-dir), holding a copy of the first photo."""
-    folder = tmp_path_factory.mktemp("images")
-    shutil.copy(photos[0], folder / "photo.png")
-    return folder
+    """The folder local image paths may name (--image-dir), holding a copy of the first photo;
+    another copy lies beside the folder, outside it (only the containment check can refuse it)."""
+    root = tmp_path_factory.mktemp("image_root")
+    (root / "images").mkdir()
+    for folder in (root, root / "images"):
+        shutil.copy(photos[0], folder / "photo.png")
+    return root / "images"
 
 
 @pytest.fixture(scope="module")
@@ -324,6 +327,16 @@ def _bad_requests(golden, photos) -> dict[str, tuple[dict, str]]:
         "broken generation_config": ({"extra_body": {"generation_config": "{"}}, "generation_config is not usable"),
         "temperature not a number": ({"temperature": "hot"}, "temperature must be a number"),
         "no tokens": ({"max_tokens": 0}, "max_tokens must be an integer in"),
+        "upper-case DATA URL of a broken payload": ({"messages": one_image("DATA:image/png;base64,@@@")}, "not valid base64"),
+        "NUL in a path": ({"messages": one_image("photo.png\x00")}, "non-empty string"),
+        "frequency_penalty of -1": ({"frequency_penalty": -1}, r"frequency_penalty must be a number in \[-0.99, 2\]"),
+        "seed beyond 64 bits": ({"seed": 2**70}, "seed must be an integer"),
+        "stop of a number": ({"extra_body": {"stop": [5]}}, "stop must be"),
+        "logit_bias of a word": ({"logit_bias": {"cat": 5}}, "logit_bias must map"),
+        "beam search through generation_config": ({"extra_body": {"generation_config": json.dumps({"num_beams": 64})}},
+                                                  r"keys \['num_beams'\] are not taken"),
+        "repetition_penalty 0": ({"extra_body": {"generation_config": json.dumps({"repetition_penalty": 0})}},
+                                 "repetition_penalty must be a number > 0"),
         "more tokens than --max-tokens": ({"max_tokens": 10**12}, f"max_tokens must be an integer in \\[1, {MAX_TOKENS}\\]"),
         "negative temperature": ({"temperature": -1}, r"temperature must be a number in \[0, 2\]"),
     }
@@ -373,16 +386,28 @@ def test_the_responses_endpoint_takes_images_under_the_same_policy(server, local
         client.responses.create(model=name, max_output_tokens=2, input=[{"role": "user", "content": many}])
     with pytest.raises(openai.BadRequestError, match="reasoning.effort is not mapped"):
         client.responses.create(model=name, max_output_tokens=2, input="Hi", reasoning={"effort": "high"})
+    for bad in ([5], [], ""):
+        with pytest.raises(openai.BadRequestError, match="input must be"):
+            client.responses.create(model=name, max_output_tokens=2, input=bad)
+    with pytest.raises(openai.BadRequestError, match="malformed input item"):
+        client.responses.create(model=name, max_output_tokens=2,
+                                input=[{"role": "user", "content": "Hi"}, {"type": "function_call"}])
+    assert client.responses.create(model=name, max_output_tokens=2, input="Hi", stream=False).usage.output_tokens == 2
 
 
-def test_systemone_is_refused(server):
-    _, name, _, port = server
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/systemone", method="POST",
+@pytest.mark.parametrize("path,code,says", [("/v1/systemone", 400, "systemone is not served"),
+                                            ("/load_model", 403, "/load_model is not served"),
+                                            ("/reset", 403, "/reset is not served")])
+def test_the_endpoints_past_the_policy_are_refused(server, path, code, says):
+    client, name, _, port = server
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method="POST",
                                      data=json.dumps({"model": name, "questions": []}).encode(),
                                      headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=30)
-    assert refused.value.code == 400 and "systemone is not served" in refused.value.read().decode()
+    assert refused.value.code == code and says in refused.value.read().decode()
+    assert client.chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=2).usage.completion_tokens == 2  # still loaded
 
 
 def test_concurrent_clients_each_get_their_own_reply(server, local, photos):
