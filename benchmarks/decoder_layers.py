@@ -142,19 +142,19 @@ def our_text_config(quick: bool):
     return text
 
 
-def init_our_layer(layer: DeepseekV41DecoderLayer, gen: torch.Generator) -> None:
-    """Random weights in the layer's storage, filled on its device: fp8 e4m3 values, packed fp4
-    random bytes, power-of-two e8m0 scales giving std ~ fan_in^-0.5, bf16/fp32 linears ~ fan_in^-0.5,
-    norms 1, mHC scales 1, biases small."""
+def init_linears(module: torch.nn.Module, gen: torch.Generator) -> set[int]:
+    """Random weights in every `DeepseekV41Linear` of `module` (each shared one once): fp8 e4m3
+    values, packed fp4 random bytes, power-of-two e8m0 scales giving std ~ fan_in^-0.5, bf16/fp32
+    ~ fan_in^-0.5. Returns the ids of the parameters filled."""
     done = set()
-    for module in layer.modules():
-        if not isinstance(module, DeepseekV41Linear):
+    for linear in module.modules():
+        if not isinstance(linear, DeepseekV41Linear) or id(linear.weight) in done:
             continue
-        w, std = module.weight, module.in_features**-0.5
-        if module.weight_dtype == "fp8":
+        w, std = linear.weight, linear.in_features**-0.5
+        if linear.weight_dtype == "fp8":
             w.data.copy_(torch.randn(w.shape, generator=gen, device=w.device).clamp_(-4, 4))
             exponent = 127 + round(math.log2(std))
-        elif module.weight_dtype == "fp4":
+        elif linear.weight_dtype == "fp4":
             w.data.view(torch.uint8).random_(0, 256, generator=gen)
             exponent = 127 + round(math.log2(std / 3))  # e2m1 magnitudes average ~2.7
         else:
@@ -162,12 +162,26 @@ def init_our_layer(layer: DeepseekV41DecoderLayer, gen: torch.Generator) -> None
             exponent = None
         done.add(id(w))
         if exponent is not None:
-            done.add(id(module.scale))
-            module.scale.data.view(torch.uint8).fill_(exponent)
+            done.add(id(linear.scale))
+            linear.scale.data.view(torch.uint8).fill_(exponent)
+    return done
+
+
+def init_our_layer(layer: torch.nn.Module, gen: torch.Generator) -> None:
+    """Random weights in the storage of `layer` (a decoder layer or a whole model; a shared
+    parameter once), filled on its device: the linears by :func:`init_linears`, other fp8
+    tensors (Engram tables) e4m3 values with small e8m0 scales, norms 1, mHC scales 1, biases
+    small, other matrices ~ fan_in^-0.5."""
+    done = init_linears(layer, gen)
     for name, p in layer.named_parameters():
         if id(p) in done:
             continue
-        if name.endswith("norm.weight") or name.endswith("_scale"):
+        done.add(id(p))
+        if p.dtype == torch.float8_e4m3fn:
+            p.data.copy_(torch.randn(p.shape, generator=gen, device=p.device).clamp_(-4, 4))
+        elif p.dtype == torch.float8_e8m0fnu:
+            p.data.view(torch.uint8).fill_(127 - 4)
+        elif name.endswith("norm.weight") or name.endswith("_scale"):
             p.data.fill_(1.0)
         elif name.endswith("_base") or name.endswith("bias") or name.endswith("bias_vl"):
             random_normal_(p.data, gen, 0.01)

