@@ -325,7 +325,8 @@ class DeepseekV41Cache(Cache):
     """Decode state of one batch of sequences for :class:`DeepseekV41Transformer`.
 
     Args:
-        config: the composite or text config (reads `num_hidden_layers`, `compress_ratios`).
+        config: the composite or text config (reads `num_hidden_layers`; with `max_crop`, the
+            layers' compress ratios).
         max_crop: how many positions back :meth:`crop` may rewind (int >= 0). 0 (the default)
             keeps no history: the cache cannot be cropped. N > 0 keeps the window rows of the
             last ``window + N`` positions per layer and a small state per forward (see
@@ -349,42 +350,26 @@ class DeepseekV41Cache(Cache):
             raise DeepseekV41CacheError(f"max_crop must be an int >= 0 (positions a crop may go back), got {max_crop!r}")
         self.attention = DeepseekV41AttentionCache()
         self.engram_history: torch.Tensor | None = None
-        self._image_counts: torch.Tensor | None = None
+        self.image_counts: torch.Tensor | None = None
         self._seen_tokens = 0
-        self._compress_ratios = list(getattr(text, "compress_ratios", None) or [])
-        self.crop_history = DeepseekV41CropHistory(max_crop) if max_crop else None
+        self.crop_history = DeepseekV41CropHistory(max_crop, text.compress_ratio) if max_crop else None
         layers = [DeepseekV41CacheLayer(self.attention.layer(i), self) for i in range(text.num_hidden_layers)]
         super().__init__(layers=layers)
-
-    @property
-    def image_counts(self) -> torch.Tensor | None:
-        return self._image_counts
-
-    @image_counts.setter
-    def image_counts(self, counts: torch.Tensor | None) -> None:
-        # set after a forward's `record_tokens` (count_images): the forward's crop point takes it
-        self._image_counts = counts
-        points = self.crop_history.points if self.crop_history is not None else []
-        if points and points[-1].length == self._seen_tokens:
-            points[-1].took_images = points[-1].took_images or counts is not None
-            points[-1].image_counts = None if counts is None else counts.clone()
-
-    def compress_ratio(self, layer_id: int) -> int:
-        """The compress ratio of `layer_id` (0: no compressor)."""
-        return self._compress_ratios[layer_id] if layer_id < len(self._compress_ratios) else 0
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Positions already processed (the next token's absolute position)."""
         return self._seen_tokens
 
-    def record_tokens(self, n: int) -> None:
-        """Advance the position after a forward of `n` tokens (called by the model)."""
+    def record_tokens(self, n: int, took_images: bool = False) -> None:
+        """Advance the position after a forward of `n` tokens (called by the model, last, once the
+        forward's state, its image counts included, is in the cache); `took_images`: the forward
+        held image-span positions (a crop inside it would cut a span)."""
         start = self._seen_tokens
         self._seen_tokens += n
         self.attention.seen_tokens = self._seen_tokens
         if self.crop_history is not None:
             with torch.no_grad():
-                self.crop_history.record(self, start, self._seen_tokens)
+                self.crop_history.record(self, start, self._seen_tokens, took_images)
 
     def reset(self) -> None:
         super().reset()
@@ -393,7 +378,7 @@ class DeepseekV41Cache(Cache):
         self.attention.pad_offsets = None
         self.attention.prefill_length = None
         self.engram_history = None
-        self._image_counts = None
+        self.image_counts = None
         self._seen_tokens = 0
         self.attention.seen_tokens = 0
         if self.crop_history is not None:
@@ -424,7 +409,7 @@ class DeepseekV41Cache(Cache):
             raise DeepseekV41CacheError(f"batch indices must lie in [0, {batch}), got {indices.tolist()}")
         super().batch_select_indices(indices)
         self.engram_history = select_batch_rows(self.engram_history, indices)
-        self._image_counts = select_batch_rows(self._image_counts, indices)
+        self.image_counts = select_batch_rows(self.image_counts, indices)
         # per batch row attention state (left padding)
         self.attention.pad_offsets = select_batch_rows(self.attention.pad_offsets, indices)
         self.attention.index_k_publisher_rows = select_batch_rows(self.attention.index_k_publisher_rows, indices)
@@ -435,7 +420,7 @@ class DeepseekV41Cache(Cache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        for name in ("engram_history", "_image_counts"):
+        for name in ("engram_history", "image_counts"):
             rows = getattr(self, name)
             if rows is not None:
                 setattr(self, name, rows.repeat_interleave(repeats, dim=0))

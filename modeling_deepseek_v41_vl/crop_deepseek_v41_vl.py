@@ -67,10 +67,13 @@ class DeepseekV41CropHistory:
 
     Args:
         max_crop: how many positions back a crop may go (> 0).
+        compress_ratio: layer id -> its compress ratio (the text config's `compress_ratio`): a
+            row's compressed rows and index keys at a length are its real positions // ratio.
     """
 
-    def __init__(self, max_crop: int):
+    def __init__(self, max_crop: int, compress_ratio):
         self.max_crop = max_crop
+        self.compress_ratio = compress_ratio
         self.points: list[DeepseekV41CropPoint] = []
         self.windows: dict[int, torch.Tensor] = {}  # layer id -> [B, window + max_crop, D]
         self.dropped: str | None = None  # why the history was started again (a batch selection)
@@ -85,11 +88,12 @@ class DeepseekV41CropHistory:
         length = cache.get_seq_length()
         self.clear()
         if length:
-            self.record(cache, 0, length)  # the rings hold the last `window` positions
+            self.record(cache, 0, length, False)  # the rings hold the last `window` positions
         self.start, self.dropped = length, reason
 
-    def record(self, cache, start: int, end: int) -> None:
-        """Keep what a crop back to `end` needs, after a forward of positions [start, end)."""
+    def record(self, cache, start: int, end: int, took_images: bool) -> None:
+        """Keep what a crop back to `end` needs, after a forward of positions [start, end)
+        (`took_images`: it held image-span positions)."""
         attention = cache.attention
         if start == 0:
             self.clear()  # a new sequence: nothing before it can be cropped to
@@ -97,6 +101,7 @@ class DeepseekV41CropHistory:
             end, publisher=attention.index_k_publisher, publisher_rows=_copy(attention.index_k_publisher_rows),
             pad_offsets=_copy(attention.pad_offsets), prefill_length=attention.prefill_length,
             engram_history=_copy(cache.engram_history), image_counts=_copy(cache.image_counts),
+            took_images=took_images,
         )
         for layer_id, state in attention.layers.items():
             if state.window_kv is not None:
@@ -152,7 +157,8 @@ class DeepseekV41CropHistory:
         :meth:`lengths`)."""
         point = next(p for p in self.points if p.length == target)
         attention = cache.attention
-        pads = point.pad_offsets
+        # each batch row's real positions at `target` (left padding is not pooled), read once
+        real_ends = None if point.pad_offsets is None else [max(target - pad, 0) for pad in point.pad_offsets.tolist()]
         for layer_id, state in attention.layers.items():
             if state.window_kv is not None and layer_id in self.windows:
                 ring, kept = state.window_kv, self.windows[layer_id]
@@ -169,22 +175,20 @@ class DeepseekV41CropHistory:
                     else:
                         setattr(state, name, saved.clone())
             counts = point.rows.get(layer_id, (None, None))
-            ratio = cache.compress_ratio(layer_id)
+            ratio = max(self.compress_ratio(layer_id), 1)
             for name, length in zip(("compressed_kv", "index_k"), counts):
                 buffer = getattr(state, name)
                 if length is None or buffer is None:
                     setattr(state, name, None if length is None else buffer)
                     continue
-                ends = torch.full((buffer._data.size(0),), target, dtype=torch.int64)
-                if pads is not None:
-                    ends = (ends - pads.cpu().to(torch.int64)).clamp_min(0)
-                buffer.truncate(length, (ends // max(ratio, 1)).tolist())
+                ends = real_ends if real_ends is not None else [target] * buffer._data.size(0)
+                buffer.truncate(length, [end // ratio for end in ends])
         attention.index_k_publisher = point.publisher
         attention.index_k_publisher_rows = _copy(point.publisher_rows)
         attention.pad_offsets = _copy(point.pad_offsets)
         attention.prefill_length = point.prefill_length
         cache.engram_history = _copy(point.engram_history)
-        cache._image_counts = _copy(point.image_counts)
+        cache.image_counts = _copy(point.image_counts)
         self.points = [p for p in self.points if p.length <= target]
 
 

@@ -375,9 +375,9 @@ class DeepseekV41Transformer(nn.Module):
         if collected is not None:
             collected.append(hidden)
         if cache is not None:
-            cache.record_tokens(input_ids.size(1))
             if pixel_values is not None:  # a later turn given the conversation's images skips these
                 count_images(self, cache, mm_token_type_ids, image_grid_thw)
+            cache.record_tokens(input_ids.size(1), took_images=span_rows is not None)
 
         if logits_to_keep == 1:
             # the reference's default: the GEMM over [B, D] (bitwise what it returns)
