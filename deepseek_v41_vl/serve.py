@@ -41,6 +41,15 @@ from .serve_policy import (
     request_template_kwargs,
 )
 
+# Endpoints of transformers' app this command refuses: path -> (HTTP status, message).
+REFUSED_PATHS = {
+    # its pipeline loads images its own way, past every limit, and cannot run this processor
+    "/v1/systemone": (400, "/v1/systemone is not served for DeepSeek-V4.1: use /v1/chat/completions"),
+    # a client would load another model into this server, or unload this one
+    "/load_model": (403, "/load_model is not served by deepseek-v41-vl serve"),
+    "/reset": (403, "/reset is not served by deepseek-v41-vl serve"),
+}
+
 
 def serve(argv: list[str]) -> int:
     """Run ``transformers serve ARGV`` with DeepSeek-V4.1 loadable (see the module doc).
@@ -126,7 +135,6 @@ def _with_image_limits(load_processor, limits: ServeLimits):
 
 def _with_request_policy(build_server, limits: ServeLimits):
     """`build_server` whose app applies the request policy of the module doc."""
-    from fastapi.responses import JSONResponse
     from starlette.exceptions import HTTPException
 
     from .processing.errors_deepseek_v41_vl import DeepseekV41ProcessingError
@@ -135,26 +143,22 @@ def _with_request_policy(build_server, limits: ServeLimits):
         _apply_request_policy(chat_handler, limits, chat=True)
         _apply_request_policy(kwargs["response_handler"], limits, chat=False)
         _check_fields_only(kwargs["completion_handler"], limits)
-        _refuse_all(kwargs["systemone_handler"], "/v1/systemone is not served for DeepSeek-V4.1: use /v1/chat/completions")
         built = build_server(model_manager, chat_handler, *args, **kwargs)
 
+        @built.middleware("http")
+        async def refused_paths(request, call_next):
+            if request.url.path in REFUSED_PATHS:
+                return _openai_error(*REFUSED_PATHS[request.url.path])
+            return await call_next(request)
+
         async def refused(_request, exc: Exception):
-            return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error"}}, status_code=400)
+            return _openai_error(400, str(exc))
 
         async def http_error(_request, exc: HTTPException):
             # transformers' own refusals (a model the server is not pinned to, unexpected fields)
             # carry `detail` only, which OpenAI clients do not show: add the OpenAI error shape
             message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-            body = {"error": {"message": message, "type": "invalid_request_error"}, "detail": exc.detail}
-            return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
-
-        @built.middleware("http")
-        async def pinned(request, call_next):
-            # a client must not load another model into this server, or unload this one
-            if request.url.path in ("/load_model", "/reset"):
-                message = f"{request.url.path} is not served by deepseek-v41-vl serve"
-                return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}}, status_code=403)
-            return await call_next(request)
+            return _openai_error(exc.status_code, message, detail=exc.detail, headers=exc.headers)
 
         built.add_exception_handler(DeepseekV41ProcessingError, refused)
         built.add_exception_handler(ServeRequestError, refused)
@@ -162,6 +166,14 @@ def _with_request_policy(build_server, limits: ServeLimits):
         return built
 
     return build
+
+
+def _openai_error(status: int, message: str, headers=None, **extra):
+    """A JSON error response in the OpenAI shape (what OpenAI clients show)."""
+    from fastapi.responses import JSONResponse
+
+    body = {"error": {"message": message, "type": "invalid_request_error"}, **extra}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _apply_request_policy(handler, limits: ServeLimits, chat: bool) -> None:
@@ -221,12 +233,5 @@ def _check_fields_only(handler, limits: ServeLimits) -> None:
 
     async def handle(body: dict, request_id: str):
         return await handle_request(check_request_fields(body, limits, "max_tokens"), request_id)
-
-    handler.handle_request = handle
-
-
-def _refuse_all(handler, message: str) -> None:
-    async def handle(body: dict, request_id: str):
-        raise ServeRequestError(message)
 
     handler.handle_request = handle

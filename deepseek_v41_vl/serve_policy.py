@@ -202,10 +202,10 @@ def check_messages(body: dict) -> None:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ServeRequestError(f"messages[{i}] must be an object with a string role, got {message!r:.200}")
         content = message.get("content")
-        parts = content if isinstance(content, list) else []
-        if not (content is None or isinstance(content, str) or isinstance(content, list)) or not all(
-            isinstance(part, dict) and isinstance(part.get("type"), str) for part in parts
-        ):
+        typed_parts = isinstance(content, list) and all(
+            isinstance(part, dict) and isinstance(part.get("type"), str) for part in content
+        )
+        if not (content is None or isinstance(content, str) or typed_parts):
             raise ServeRequestError(
                 f"messages[{i}].content must be a string, null or a list of parts with a type, got {content!r:.200}"
             )
@@ -246,14 +246,14 @@ def _checked_source(url, limits: ServeLimits) -> str:
     if scheme is not None:
         name = scheme.group(1).lower()
         if name == "data":
-            return "data" + url[len(name):]  # the processor reads lower-case data URLs
+            return url
         if name in ("http", "https"):
             if not limits.allow_image_urls:
                 raise ServeRequestError(
                     f"image URL {url[:100]!r} refused: this server does not fetch http(s) URLs; send the image as a "
                     "base64 data URL, or start the server with --allow-image-urls"
                 )
-            return name + url[len(name):]  # the processor fetches lower-case schemes
+            return url
         raise ServeRequestError(f"image URL scheme {name!r} is not read: send a base64 data URL")
     if limits.image_dir is None:
         raise ServeRequestError(

@@ -260,7 +260,8 @@ def _read_source(src: Any, allow_urls: bool, max_image_bytes: int | None) -> byt
     if isinstance(src, os.PathLike):
         src = os.fspath(src)
     if isinstance(src, str):
-        if src.startswith(("http://", "https://")):
+        scheme = src[:8].lower()  # URL schemes are case-insensitive (RFC 3986)
+        if scheme.startswith(("http://", "https://")):
             if not allow_urls:
                 raise DeepseekV41ImageError(
                     f"refusing to fetch image URL {src!r}: network access is off by default; pass allow_urls=True "
@@ -275,7 +276,7 @@ def _read_source(src: Any, allow_urls: bool, max_image_bytes: int | None) -> byt
                 raise DeepseekV41ImageError(f"cannot fetch image URL {src!r}: {err}") from err
             _check_bytes(len(data), max_image_bytes, at_least=True)
             return data
-        if src.startswith("data:"):
+        if scheme.startswith("data:"):
             header, _, payload = src.partition(",")
             if ";base64" not in header:
                 raise DeepseekV41ImageError(f"unsupported data URL encoding {header!r}: only base64 data URLs are read")

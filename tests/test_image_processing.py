@@ -338,7 +338,8 @@ def test_byte_cap_refuses_every_source_before_decoding(golden, tmp_path):
 
 
 def test_url_refused_by_default():
-    for url in ("http://example.invalid/cat.png", "https://example.invalid/cat.png"):
+    # schemes are case-insensitive: an upper-case one is a URL too, not a file name
+    for url in ("http://example.invalid/cat.png", "https://example.invalid/cat.png", "HTTPS://example.invalid/cat.png"):
         with pytest.raises(DeepseekV41ImageError, match="allow_urls=True"):
             DeepseekV41ImageProcessor()(url)
         with pytest.raises(DeepseekV41ImageError, match="allow_urls=True"):
