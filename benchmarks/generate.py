@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import _sync as sync, environment  # noqa: E402
 from decoder_layers import TINY, init_our_layer  # noqa: E402
 
 RELEASE_CONFIG = ROOT / "configs" / "deepseek_v41_flash.json"
@@ -45,11 +45,6 @@ BATCHES = [1, 8, 16, 32, 64]
 PADDED_BATCHES = [8, 32]
 TEXT = "Describe the picture in one sentence."
 CASES = ("image", "text", "long", "batch", "distinct", "padded", "vision")
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def build(device: torch.device, quick: bool):
@@ -117,47 +112,46 @@ def decode_case(model, inputs, steps: int, device, reps: int) -> dict:
             "decode_ms": 1e3 * per_token, "tok_s": batch / per_token}
 
 
-@torch.no_grad()
+class DecodeLoop:
+    """The model's own forward on one cache, greedy, no generate: `inputs` prefilled once, then
+    :meth:`steps` runs one-token forwards (the steps a timing or a profile looks at)."""
+
+    @torch.no_grad()
+    def __init__(self, model, inputs):
+        from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
+
+        self.model, self.cache, self.mask = model, DeepseekV41Cache(model.config), inputs["attention_mask"]
+        self.token = model(**inputs, past_key_values=self.cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+    @torch.no_grad()
+    def steps(self, n: int) -> None:
+        for _ in range(n):
+            self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
+            self.token = self.model(input_ids=self.token, attention_mask=self.mask, past_key_values=self.cache,
+                                    use_cache=True).logits.argmax(-1)
+
+
 def forward_loop_ms(model, inputs, steps: int, device) -> float:
     """ms per decode step of the model's own forward on one cache (greedy, no generate)."""
-    from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
-
-    def run(n):
-        cache = DeepseekV41Cache(model.config)
-        logits = model(**inputs, past_key_values=cache, use_cache=True).logits
-        token = logits[:, -1:].argmax(-1)
-        mask = inputs["attention_mask"]
-        sync(device)
-        start = time.perf_counter()
-        for _ in range(n):
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            token = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True).logits.argmax(-1)
-        sync(device)
-        return time.perf_counter() - start
-
-    run(steps)  # warm-up
-    return 1e3 * run(steps) / steps
+    DecodeLoop(model, inputs).steps(steps)  # warm-up: graph captures on a cache of its own
+    loop = DecodeLoop(model, inputs)
+    sync(device)
+    start = time.perf_counter()
+    loop.steps(steps)
+    sync(device)
+    return 1e3 * (time.perf_counter() - start) / steps
 
 
-@torch.no_grad()
 def profile_steps(model, inputs, device, steps: int = 8) -> list[str]:
     """GPU kernel time per decode step (the model's forward on one cache) and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
-
-    cache = DeepseekV41Cache(model.config)
-    token = model(**inputs, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-    mask = inputs["attention_mask"]
-    for _ in range(4):  # warm-up (graph captures)
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        token = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True).logits.argmax(-1)
+    loop = DecodeLoop(model, inputs)
+    loop.steps(4)  # warm-up (graph captures)
     sync(device)
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            token = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True).logits.argmax(-1)
+        loop.steps(steps)
         sync(device)
     wall = (time.perf_counter() - start) / steps
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
@@ -169,30 +163,18 @@ def profile_steps(model, inputs, device, steps: int = 8) -> list[str]:
     return out
 
 
-@torch.no_grad()
 def host_profile(model, inputs, device, steps: int = 16) -> None:
     """cProfile of the model's forward over decode steps: the functions with most own time, to stderr."""
     import cProfile
     import io
     import pstats
 
-    from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
-
-    cache = DeepseekV41Cache(model.config)
-    token = model(**inputs, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-    mask = inputs["attention_mask"]
-
-    def step(token, mask):
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        return model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True).logits.argmax(-1), mask
-
-    for _ in range(4):
-        token, mask = step(token, mask)
+    loop = DecodeLoop(model, inputs)
+    loop.steps(4)  # warm-up (graph captures)
     sync(device)
     profiler = cProfile.Profile()
     profiler.enable()
-    for _ in range(steps):
-        token, mask = step(token, mask)
+    loop.steps(steps)
     sync(device)
     profiler.disable()
     text = io.StringIO()
@@ -227,26 +209,6 @@ def long_text(processor, tokens: int) -> str:
     sentence = "The quick brown fox jumps over the lazy dog while the river keeps flowing to the sea. "
     per = len(processor.tokenizer(sentence)["input_ids"])
     return sentence * max(1, tokens // per)
-
-
-def environment(device: torch.device, commit: str | None) -> list[str]:
-    import transformers
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:  # a CPU smoke run needs no Triton
-        triton_version = "not installed"
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                    text=True, check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return [f"- commit {commit}, {name}, torch {torch.__version__}, triton {triton_version}, "
-            f"transformers {transformers.__version__}"]
 
 
 def main(argv=None) -> int:
