@@ -112,6 +112,14 @@ def tiny_processor(converted_tiny_fp8):
 
 
 @pytest.fixture(scope="module")
+def turns(tiny_processor, photos):
+    """`helpers.conversation_turns` of the tiny processor: (first turn, second turn, whole)."""
+    from helpers import conversation_turns
+
+    return conversation_turns(tiny_processor, photos)
+
+
+@pytest.fixture(scope="module")
 def photos(golden) -> list[str]:
     """Two real photos: scikit-image's chelsea (bundled with the package) and the golden rocket."""
     from deepseek_v41_vl.cli import bundled_photo

@@ -33,3 +33,18 @@ def png_header_only(width: int, height: int) -> bytes:
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+
+
+# a two-turn conversation, one image in each turn (tests of a conversation on one cache)
+TURN1 = "<｜begin▁of▁sentence｜><｜User｜><｜deepseek_image｜>What is it?<｜Assistant｜></think>A cat.<｜end▁of▁sentence｜>"
+TURN2 = "<｜User｜><｜deepseek_image｜>And this one?<｜Assistant｜></think>"
+
+
+def conversation_turns(processor, photos: list) -> tuple:
+    """(first turn, second turn, whole conversation) of TURN1 / TURN2 with `photos[0]` and
+    `photos[1]`, through `processor` as "pt" tensors; the whole one's ids are the two turns'."""
+    first = processor(images=[photos[0]], text=TURN1, return_tensors="pt")
+    second = processor(images=[photos[1]], text=TURN2, add_special_tokens=False, return_tensors="pt")
+    whole = processor(images=photos[:2], text=TURN1 + TURN2, return_tensors="pt")
+    assert torch.equal(whole["input_ids"], torch.cat([first["input_ids"], second["input_ids"]], dim=1))
+    return first, second, whole

@@ -259,13 +259,6 @@ def test_the_crop_length_semantics_and_refusals(tiny_model):
     assert not cache.is_croppable  # transformers' assisted decoding crops inside a forward: not supported
 
 
-@pytest.fixture(scope="module")
-def turns(tiny_processor, photos):
-    from test_conversation import TURN1, TURN2
-
-    first = tiny_processor(images=[photos[0]], text=TURN1, return_tensors="pt")
-    second = tiny_processor(images=[photos[1]], text=TURN2, add_special_tokens=False, return_tensors="pt")
-    return first, second, None
 
 
 def test_generate_continues_a_cropped_cache_as_it_went_the_first_time(tiny_model):

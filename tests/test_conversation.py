@@ -18,20 +18,6 @@ from test_chunked_prefill import ARGMAX_AGREEMENT, LOGITS_REL_L2
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-# a two-turn conversation, one image in each turn
-TURN1 = "<｜begin▁of▁sentence｜><｜User｜><｜deepseek_image｜>What is it?<｜Assistant｜></think>A cat.<｜end▁of▁sentence｜>"
-TURN2 = "<｜User｜><｜deepseek_image｜>And this one?<｜Assistant｜></think>"
-
-
-@pytest.fixture(scope="module")
-def turns(tiny_processor, photos):
-    first = tiny_processor(images=[photos[0]], text=TURN1, return_tensors="pt")
-    second = tiny_processor(images=[photos[1]], text=TURN2, add_special_tokens=False, return_tensors="pt")
-    whole = tiny_processor(images=photos, text=TURN1 + TURN2, return_tensors="pt")
-    assert torch.equal(whole["input_ids"], torch.cat([first["input_ids"], second["input_ids"]], dim=1))
-    return first, second, whole
-
-
 def _prefill(tiny_model, inputs, cache):
     with torch.no_grad():
         return tiny_model(**inputs, past_key_values=cache, logits_to_keep=0).logits

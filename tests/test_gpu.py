@@ -55,7 +55,7 @@ from deepseek_v41_vl.modeling.vision_deepseek_v41_vl import (
 )
 
 from golden_models import RUNS, VARIANTS, VisionTower, golden_model, golden_run, prefill_inputs  # noqa: E402
-from helpers import rel_l2, with_backends  # noqa: E402
+from helpers import conversation_turns, rel_l2, with_backends  # noqa: E402
 
 CUDA = torch.device("cuda")
 NUMERICS = ("fast", "exact")
@@ -432,13 +432,10 @@ def test_a_conversation_on_one_cache_continues_like_one_prefill_on_gpu(golden, c
     from transformers import AutoProcessor
 
     from test_chunked_prefill import ARGMAX_AGREEMENT, LOGITS_REL_L2
-    from test_conversation import TURN1, TURN2
 
     model = hf_all_gpu_run(golden, converted_tiny_fp8)["model"]
     processor = AutoProcessor.from_pretrained(converted_tiny_fp8)
-    first = processor(images=[photos[0]], text=TURN1, return_tensors="pt").to(CUDA)
-    second = processor(images=[photos[1]], text=TURN2, add_special_tokens=False, return_tensors="pt").to(CUDA)
-    whole = processor(images=photos, text=TURN1 + TURN2, return_tensors="pt").to(CUDA)
+    first, second, whole = (inputs.to(CUDA) for inputs in conversation_turns(processor, photos))
     n = first["input_ids"].size(1)
     keys = ("input_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw")
     with torch.no_grad():

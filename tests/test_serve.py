@@ -132,8 +132,10 @@ def server(folder, image_dir, tmp_path_factory):
         proc.wait(timeout=60)
 
 
-def _data_url(photo: str | Path) -> str:
-    return "data:image/png;base64," + base64.b64encode(Path(photo).read_bytes()).decode()
+def _data_url(image: str | Path | bytes) -> str:
+    """A base64 data URL of an image file (or of these bytes)."""
+    data = image if isinstance(image, bytes) else Path(image).read_bytes()
+    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 def _image_message(photo: str, text: str) -> dict:
@@ -300,16 +302,13 @@ def _bad_requests(golden, photos) -> dict[str, tuple[dict, str]]:
     def one_image(url, text="What is it?"):
         return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]}]
 
-    def b64(data: bytes) -> str:
-        return "data:image/png;base64," + base64.b64encode(data).decode()
-
     many = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(photos[1])}}] * 2},
             {"role": "assistant", "content": "ok"},
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(photos[1])}}] * 2}]
     return {
         "broken data URL": ({"messages": one_image("data:image/png;base64,@@@")}, "base64"),
-        "bomb": ({"messages": one_image(b64(png_header_only(12000, 12000)))}, "max_image_pixels=50000000"),
-        "truncated file": ({"messages": one_image(b64(chelsea[: len(chelsea) // 3]))}, "truncated"),
+        "bomb": ({"messages": one_image(_data_url(png_header_only(12000, 12000)))}, "max_image_pixels=50000000"),
+        "truncated file": ({"messages": one_image(_data_url(chelsea[: len(chelsea) // 3]))}, "truncated"),
         "too many bytes": ({"messages": one_image(_data_url(golden / "preprocess" / "images" / "hubble_deep_field.jpg"))},
                            f"max_image_bytes={MAX_IMAGE_BYTES}"),
         "too many images": ({"messages": many}, f"4 images; this server takes at most {MAX_IMAGES}"),
