@@ -142,6 +142,32 @@ def forward_loop_ms(model, inputs, steps: int, device) -> float:
     return 1e3 * (time.perf_counter() - start) / steps
 
 
+def kernel_table(prof, per: int, title: str, wall_s: float, top: int = 25) -> list[str]:
+    """The CUDA kernels of a `torch.profiler` run, per one of `per` repeats: total kernel time and
+    launches, the GPU's busy time (union of kernel intervals) and span (first start to last end),
+    and the `top` kernels by time."""
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.self_device_time_total for e in events) / per / 1e3
+    calls = sum(e.count for e in events) / per
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    busy, end, first = 0.0, None, spans[0][0] if spans else 0.0
+    for lo, hi in spans:
+        if end is None or lo > end:
+            busy += hi - lo
+            end = hi
+        elif hi > end:
+            busy += hi - end
+            end = hi
+    span = ((end or 0.0) - first) / per / 1e3
+    out = [f"- {title}: wall {wall_s * 1e3:.1f} ms under the profiler; GPU kernel time {total:.1f} ms in "
+           f"{calls:.0f} launches; GPU busy {busy / per / 1e3:.1f} ms of a {span:.1f} ms span", "",
+           "| kernel | ms | calls |", "|---|---|---|"]
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:top]:
+        out.append(f"| {e.key[:90]} | {e.self_device_time_total / per / 1e3:.3f} | {e.count / per:.0f} |")
+    return out
+
+
 def profile_steps(model, inputs, device, steps: int = 8) -> list[str]:
     """GPU kernel time per decode step (the model's forward on one cache) and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
@@ -154,13 +180,21 @@ def profile_steps(model, inputs, device, steps: int = 8) -> list[str]:
         loop.steps(steps)
         sync(device)
     wall = (time.perf_counter() - start) / steps
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.self_device_time_total for e in events) / steps / 1e3
-    out = [f"- profiled decode step (image prompt, batch 1): wall {wall * 1e3:.1f} ms under the profiler, "
-           f"GPU kernel time {total:.1f} ms", "", "| kernel | ms/step | calls/step |", "|---|---|---|"]
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:10]:
-        out.append(f"| {e.key[:70]} | {e.self_device_time_total / steps / 1e3:.2f} | {e.count / steps:.0f} |")
-    return out
+    return kernel_table(prof, steps, "profiled decode step (image prompt, batch 1)", wall)
+
+
+@torch.no_grad()
+def profile_call(fn, device, title: str) -> list[str]:
+    """The kernels of one call of `fn` (after one warm-up call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync(device)
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    return kernel_table(prof, 1, title, time.perf_counter() - start)
 
 
 def host_profile(model, inputs, device, steps: int = 16) -> None:
@@ -228,6 +262,8 @@ def main(argv=None) -> int:
     parser.add_argument("--host-profile", action="store_true",
                         help="also cProfile the host side of decode steps of the image case (stderr)")
     args = parser.parse_args(argv)
+    if args.profile and args.device == "cpu":
+        parser.error("--profile reads CUDA kernel times: it needs a CUDA device")
     if args.steps < 2:
         parser.error("--steps must be at least 2 (decode time is T(steps) - T(1))")
     device = torch.device(args.device)
@@ -264,13 +300,18 @@ def main(argv=None) -> int:
             lines += ["", *profile_steps(model, chat_inputs(processor, [(TEXT, [photo])], device), device), ""]
         except Exception as exc:  # a profiler failure must not cost the measured rows
             lines += ["", f"- profile failed: {type(exc).__name__}: {exc}", ""]
-        print("\n".join(lines[-15:]), flush=True)
+        print("\n".join(lines[-30:]), flush=True)
     if args.host_profile:
         host_profile(model, chat_inputs(processor, [(TEXT, [photo])], device), device)
     if "text" in args.cases:
         row("short text prompt", chat_inputs(processor, [("Name three colours.", [])], device), loop=True)
     if "long" in args.cases:
-        row(f"{args.long // 1024}K text + image", chat_inputs(processor, [(long_text(processor, args.long), [photo])], device))
+        long_inputs = chat_inputs(processor, [(long_text(processor, args.long), [photo])], device)
+        row(f"{args.long // 1024}K text + image", long_inputs)
+        if args.profile:
+            lines += ["", *profile_call(lambda: model(**long_inputs, use_cache=True, logits_to_keep=1), device,
+                                        f"profiled prefill of the {args.long // 1024}K text + image prompt"), ""]
+            print("\n".join(lines[-30:]), flush=True)
     if "batch" in args.cases:
         for b in BATCHES if not args.quick else [1, 2]:
             row("identical text prompts", chat_inputs(processor, [("Name three colours.", [])] * b, device))
@@ -288,6 +329,10 @@ def main(argv=None) -> int:
         grid, ms = vision_ms(model, processor, device, args.reps + 1)
         lines += ["", f"- vision tower + aligner, {grid} patches: {ms:.1f} ms"]
         print(lines[-1], flush=True)
+        if args.profile:
+            lines += ["", *profile_call(lambda: vision_ms(model, processor, device, 1), device,
+                                        f"profiled vision tower + aligner ({grid}, two calls)"), ""]
+            print("\n".join(lines[-30:]), flush=True)
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:
