@@ -12,6 +12,9 @@ Numerics: exact (the default) runs the split + Sinkhorn as the torch ops below, 
 the reference on CPU. Fast runs it as one Triton launch (`triton_ops/hc_sinkhorn.py`) where the
 backend resolves to Triton (CUDA tensors, or ``DEEPSEEK_V41_HC_SINKHORN_BACKEND=triton``): the
 same op order, within a few fp32 ulps (only ``exp`` differs), instead of ~90 small launches.
+Likewise the collapse and expand (`pre`, `post`) of bf16 streams take one launch each in fast
+numerics (`triton_ops/hc_mix.py`, the plan's ``hc_mix`` backend) unless autograd records them:
+the same products, the copies summed in another order at most.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..triton_ops.hc_mix import MAX_HC_MULT as HC_MIX_MAX_HC_MULT
+from ..triton_ops.hc_mix import hc_post_triton, hc_pre_triton
 from ..triton_ops.hc_sinkhorn import hc_split_sinkhorn_triton
+from .layers_deepseek_v41_vl import needs_grad
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
 
 # None: not configured, which computes like "exact"
@@ -179,7 +185,20 @@ class DeepseekV41HyperConnection(nn.Module):
             `[B, S, D]` in `x.dtype`.
         """
         self._check_stream(x, "x")
+        if self._fused((x,), (mix,)):
+            return hc_pre_triton(x, mix)
         return torch.sum(mix.unsqueeze(-1) * x.float(), dim=2).to(x.dtype)
+
+    def _fused(self, streams: tuple[torch.Tensor, ...], mixes: tuple[torch.Tensor, ...]) -> bool:
+        # the one-launch collapse / expand: fast numerics with the Triton backend, bf16 streams,
+        # fp32 mixes, and no autograd (the kernels have no backward)
+        return (
+            all(t.dtype == torch.bfloat16 for t in streams)
+            and all(t.dtype == torch.float32 for t in mixes)
+            and self.hc_mult <= HC_MIX_MAX_HC_MULT
+            and not needs_grad(*streams, *mixes)
+            and self.numerics.backend("hc_mix", streams[0].device) == "triton"
+        )
 
     def post(self, f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """Expand and mix: out[j] = post[j]·f + Σ_i comb[i][j]·residual[i]. Mirrors `Block.hc_post`.
@@ -196,6 +215,8 @@ class DeepseekV41HyperConnection(nn.Module):
             `[B, S, N, D]` in `f.dtype` (computed in fp32).
         """
         self._check_stream(residual, "residual")
+        if self._fused((residual, f), (post, comb)):
+            return hc_post_triton(f, residual, post, comb)
         batch, seq, n, dim = residual.shape
         step = max(1, POST_SLICE_BYTES // (batch * n * n * dim * 4))
         if seq <= step:

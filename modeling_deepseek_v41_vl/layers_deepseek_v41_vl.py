@@ -10,8 +10,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..triton_ops.rms_norm import MAX_COLS as RMS_NORM_MAX_COLS
+from ..triton_ops.rms_norm import WEIGHT_DTYPES as RMS_NORM_WEIGHT_DTYPES
 from ..triton_ops.rms_norm import rms_norm_triton
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd would record an op on `tensors`: then a module keeps its torch ops, since
+    the fused kernels have no backward."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 class DeepseekV41RMSNorm(nn.Module):
@@ -20,7 +27,8 @@ class DeepseekV41RMSNorm(nn.Module):
     Mirrors `inference/model.py: RMSNorm`. The weight holds bf16 values (the checkpoint's); it is
     promoted to fp32 for the product, so holding it in fp32 gives identical results. In fast
     numerics bf16 rows on CUDA go through one Triton kernel (`triton_ops/rms_norm.py`; the same
-    formula, the mean summed in another order; the plan's ``rms_norm`` backend decides).
+    formula, the mean summed in another order; the plan's ``rms_norm`` backend decides), with a
+    bf16 or an fp32 weight (the vision tower's).
 
     Args:
         dim: the normalized width. eps: added to the mean square.
@@ -36,8 +44,9 @@ class DeepseekV41RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
             x.dtype == torch.bfloat16
-            and self.weight.dtype == torch.bfloat16
+            and self.weight.dtype in RMS_NORM_WEIGHT_DTYPES
             and x.size(-1) <= RMS_NORM_MAX_COLS
+            and not needs_grad(x, self.weight)  # the kernel has no backward
             and self.numerics.backend("rms_norm", x.device) == "triton"
         ):
             return rms_norm_triton(x, self.weight, self.eps)
@@ -124,4 +133,4 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-__all__ = ["DeepseekV41Head", "DeepseekV41EmbeddingsMixin", "DeepseekV41RMSNorm", "default_dtype", "on_device"]
+__all__ = ["DeepseekV41Head", "DeepseekV41EmbeddingsMixin", "DeepseekV41RMSNorm", "default_dtype", "needs_grad", "on_device"]

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..triton_ops.dequant import ENV_BACKEND as DEQUANT_ENV
 from ..triton_ops.fake_quant import ENV_BACKEND as FAKE_QUANT_ENV
+from ..triton_ops.hc_mix import ENV_BACKEND as HC_MIX_ENV
 from ..triton_ops.hc_sinkhorn import ENV_BACKEND as HC_SINKHORN_ENV
 from ..triton_ops.kernel_backend import BACKENDS, triton_available
 from ..triton_ops.moe_experts import ENV_BACKEND as MOE_EXPERTS_ENV
@@ -38,6 +39,7 @@ from ..triton_ops.moe_prefill import ENV_BACKEND as MOE_PREFILL_ENV
 from ..triton_ops.quant_linear import ENV_BACKEND as QUANT_LINEAR_ENV
 from ..triton_ops.rms_norm import ENV_BACKEND as RMS_NORM_ENV
 from ..triton_ops.sparse_attention import ENV_BACKEND as SPARSE_ATTENTION_ENV
+from ..triton_ops.swiglu import ENV_BACKEND as SWIGLU_ENV
 from ..triton_ops.vision_rope import ENV_BACKEND as VISION_ROPE_ENV
 from .configuration_deepseek_v41_vl import NUMERICS_MODES, check_numerics_mode
 
@@ -46,6 +48,7 @@ KERNEL_ENV: dict[str, str | None] = {
     "rms_norm": RMS_NORM_ENV,
     "sparse_attention": SPARSE_ATTENTION_ENV,
     "hc_sinkhorn": HC_SINKHORN_ENV,
+    "hc_mix": HC_MIX_ENV,
     "quant_linear": QUANT_LINEAR_ENV,
     "dequant": DEQUANT_ENV,
     "fake_quant": FAKE_QUANT_ENV,
@@ -53,6 +56,7 @@ KERNEL_ENV: dict[str, str | None] = {
     "moe_experts": MOE_EXPERTS_ENV,
     "moe_prefill": MOE_PREFILL_ENV,
     "vision_rope": VISION_ROPE_ENV,
+    "swiglu": SWIGLU_ENV,
 }
 # kernels whose outputs equal their torch fallbacks bit for bit: exact numerics may run them
 BITWISE_OPS = frozenset({"dequant", "fake_quant", "vision_rope"})

@@ -45,10 +45,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from ..triton_ops.swiglu import swiglu_triton
 from ..triton_ops.vision_rope import apply_vision_rope
 from .configuration_deepseek_v41_vl import DeepseekV41ConfigError, DeepseekV41VisionConfig
 from .image_spans_deepseek_v41_vl import parse_image_grid
-from .layers_deepseek_v41_vl import DeepseekV41RMSNorm, on_device
+from .layers_deepseek_v41_vl import DeepseekV41RMSNorm, needs_grad, on_device
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
 
 
@@ -114,7 +115,7 @@ class DeepseekV41VisionRMSNorm(DeepseekV41RMSNorm):
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, numerics: DeepseekV41Numerics | str = "exact"):
-        super().__init__(hidden_size, eps, numerics)  # the fp32 weight keeps it off the bf16 kernel
+        super().__init__(hidden_size, eps, numerics)  # fast numerics on CUDA: the fused kernel reads it as fp32
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32))
 
 
@@ -166,16 +167,23 @@ class DeepseekV41VisionAttention(nn.Module):
 class DeepseekV41VisionMLP(nn.Module):
     """Bias-free SwiGLU: `w1` -> [gate | up] -> silu(gate) * up -> `w2`.
 
-    Mirrors `inference/vision.py: MLP` (gate is the first half of w1's output).
+    Mirrors `inference/vision.py: MLP` (gate is the first half of w1's output). bf16 rows on CUDA
+    in fast numerics take the one-launch product of `triton_ops/swiglu.py` (the plan's ``swiglu``
+    backend) unless autograd records the step (the kernel has no backward); elsewhere the
+    reference's two torch ops.
     """
 
-    def __init__(self, config: DeepseekV41VisionConfig):
+    def __init__(self, config: DeepseekV41VisionConfig, numerics: DeepseekV41Numerics | str = "fast"):
         super().__init__()
         self.w1 = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.numerics = as_numerics(numerics)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w1(hidden_states).chunk(2, dim=-1)
+        h = self.w1(hidden_states)
+        if h.dtype == torch.bfloat16 and not needs_grad(h) and self.numerics.backend("swiglu", h.device) == "triton":
+            return self.w2(swiglu_triton(h))
+        gate, up = h.chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
 
@@ -188,7 +196,7 @@ class DeepseekV41VisionBlock(GradientCheckpointingLayer):
         self.norm1 = DeepseekV41VisionRMSNorm(config.hidden_size, config.rms_norm_eps, numerics)
         self.attn = DeepseekV41VisionAttention(config, numerics)
         self.norm2 = DeepseekV41VisionRMSNorm(config.hidden_size, config.rms_norm_eps, numerics)
-        self.mlp = DeepseekV41VisionMLP(config)
+        self.mlp = DeepseekV41VisionMLP(config, numerics)
 
     def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         with on_device(hidden_states.device):

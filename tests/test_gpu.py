@@ -835,10 +835,15 @@ def test_fake_quant_kernels_bitwise_equal_torch(fmt, shape):
     assert torch.equal(public.view(torch.int16), kernel(x).view(torch.int16))
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 5120), (1, 1280), (3, 512), (4096, 5120), (2, 128)])
-def test_rms_norm_kernel_agrees_with_the_torch_ops(shape):
+@pytest.mark.parametrize(
+    "shape, weight_dtype",
+    [((1, 1, 5120), torch.bfloat16), ((1, 1280), torch.bfloat16), ((3, 512), torch.bfloat16),
+     ((4096, 5120), torch.bfloat16), ((2, 128), torch.bfloat16), ((8649, 1024), torch.float32)],
+)
+def test_rms_norm_kernel_agrees_with_the_torch_ops(shape, weight_dtype):
     """The fused RMSNorm (`triton_ops/rms_norm.py`), compiled, against the torch ops on the GPU:
-    at most one bf16 ulp apart, mostly equal."""
+    at most one bf16 ulp apart, mostly equal. The fp32 weight is the vision tower's (its norms
+    at the largest image: 8649 rows of 1024)."""
     from deepseek_v41_vl.modeling.layers_deepseek_v41_vl import DeepseekV41RMSNorm
     from deepseek_v41_vl.triton_ops.rms_norm import rms_norm_triton
 
@@ -847,11 +852,51 @@ def test_rms_norm_kernel_agrees_with_the_torch_ops(shape):
     x = (torch.randn(shape, generator=gen, device=CUDA) * torch.logspace(-3, 3, shape[-1], device=CUDA)).to(torch.bfloat16)
     norm = DeepseekV41RMSNorm(shape[-1], 1e-6, numerics="exact").to(CUDA)
     with torch.no_grad():
-        norm.weight.copy_((torch.rand(shape[-1], generator=gen, device=CUDA) + 0.5).to(torch.bfloat16))
+        norm.weight.data = (torch.rand(shape[-1], generator=gen, device=CUDA) + 0.5).to(weight_dtype)
         ours, ref = rms_norm_triton(x, norm.weight, 1e-6), norm(x)
     ulps = (ours.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
-    _METRICS[f"rms_norm/{shape}"] = {"max_ulps": int(ulps.max()), "equal": (ulps == 0).float().mean().item()}
+    _METRICS[f"rms_norm/{shape}/{weight_dtype}"] = {"max_ulps": int(ulps.max()), "equal": (ulps == 0).float().mean().item()}
     assert int(ulps.max()) <= 1 and (ulps == 0).float().mean().item() >= 0.99
+
+
+@pytest.mark.parametrize("batch, seq", [(1, 1), (4, 1), (1, 2048)])
+def test_hc_mix_kernels_agree_with_the_torch_ops(batch, seq):
+    """The mHC collapse / expand (`triton_ops/hc_mix.py`), compiled, against the torch ops of
+    `DeepseekV41HyperConnection.pre / post` on the GPU at release width: the same fp32 products
+    (no FMA contraction), the copies summed in ascending order; at most one bf16 ulp apart."""
+    from deepseek_v41_vl.modeling.hyper_connection_deepseek_v41_vl import DeepseekV41HyperConnection
+    from deepseek_v41_vl.triton_ops.hc_mix import hc_post_triton, hc_pre_triton
+
+    _require_compiled_triton()
+    gen = torch.Generator(device=CUDA).manual_seed(seq)
+    x = (torch.randn(batch, seq, 4, 5120, generator=gen, device=CUDA) * 4).to(torch.bfloat16)
+    f = torch.randn(batch, seq, 5120, generator=gen, device=CUDA).to(torch.bfloat16)
+    mix = torch.rand(batch, seq, 4, generator=gen, device=CUDA)
+    post = 2 * torch.rand(batch, seq, 4, generator=gen, device=CUDA)
+    comb = torch.rand(batch, seq, 4, 4, generator=gen, device=CUDA)
+    torch_ops = DeepseekV41HyperConnection(4, 20, 1e-6, 1e-6, numerics="exact")
+    for name, ours, ref in (("pre", hc_pre_triton(x, mix), torch_ops.pre(x, mix)),
+                            ("post", hc_post_triton(f, x, post, comb), torch_ops.post(f, x, post, comb))):
+        ulps = (ours.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+        _METRICS[f"hc_mix/{name}/{batch}x{seq}"] = {"max_ulps": int(ulps.max()), "equal": (ulps == 0).float().mean().item()}
+        assert int(ulps.max()) <= 1, _METRICS[f"hc_mix/{name}/{batch}x{seq}"]
+
+
+@pytest.mark.parametrize("shape", [(8649, 2 * 2816), (3, 2 * 2816), (5, 2 * 40)])
+def test_swiglu_kernel_equals_the_torch_ops(shape):
+    """The vision MLP's fused SwiGLU (`triton_ops/swiglu.py`), compiled, against ``F.silu(gate) *
+    up`` on the GPU: the same fp32 arithmetic (CUDA's expf, an IEEE division) and roundings, so
+    bit for bit; (8649, 5632) is w1's output at the largest image."""
+    from deepseek_v41_vl.triton_ops.swiglu import swiglu_triton
+
+    _require_compiled_triton()
+    gen = torch.Generator(device=CUDA).manual_seed(sum(shape))
+    h = (torch.randn(shape, generator=gen, device=CUDA) * torch.logspace(-4, 1.5, shape[-1], device=CUDA)).to(torch.bfloat16)
+    gate, up = h.chunk(2, dim=-1)
+    ours, ref = swiglu_triton(h), F.silu(gate) * up
+    ulps = (ours.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+    _METRICS[f"swiglu/{shape}"] = {"max_ulps": int(ulps.max()), "equal": (ulps == 0).float().mean().item()}
+    assert torch.equal(ours.view(torch.int16), ref.view(torch.int16)), _METRICS[f"swiglu/{shape}"]
 
 
 def test_fake_quant_kernels_replay_in_a_cuda_graph():

@@ -45,6 +45,24 @@ def test_kernel_agrees_with_the_torch_ops(shape, eps):
     assert (ours == ref).float().mean().item() >= 0.99
 
 
+def test_fp32_weight_as_the_vision_tower_holds_it():
+    """The vision tower's norms keep an fp32 weight (not bf16 values): the kernel reads it as fp32,
+    as the torch ops promote it, and the vision norm module takes the kernel in fast numerics."""
+    from deepseek_v41_vl.modeling.vision_deepseek_v41_vl import DeepseekV41VisionRMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 1024, generator=g) * 4).to(torch.bfloat16)
+    norm = DeepseekV41VisionRMSNorm(1024, 1e-6, numerics="exact")
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(1024, generator=g) + 0.5)  # fp32 values, most not bf16
+        ref = norm(x)
+        ours = rms_norm.rms_norm_triton(x, norm.weight, 1e-6)
+    assert norm.weight.dtype == torch.float32
+    assert int(_ulps(ours, ref).max()) <= 1 and (ours == ref).float().mean().item() >= 0.99
+    # a bf16 copy of the weight would give other outputs: the fp32 values are the ones read
+    assert not torch.equal(rms_norm.rms_norm_triton(x, norm.weight.to(torch.bfloat16), 1e-6), ours)
+
+
 def test_non_contiguous_rows_and_zero_rows():
     g = torch.Generator().manual_seed(1)
     base = torch.randn(6, 2, 256, generator=g).to(torch.bfloat16)
@@ -73,12 +91,17 @@ def test_fast_numerics_take_the_kernel_exact_numerics_never(monkeypatch):
     DeepseekV41RMSNorm(64, 1e-6, numerics="fast")(x.float())  # fp32 rows: the torch ops
     assert calls == []
     fast = DeepseekV41RMSNorm(64, 1e-6, numerics="fast")
-    assert torch.equal(fast(x), real(x, fast.weight, 1e-6)) and calls == [1]
+    with torch.no_grad():
+        assert torch.equal(fast(x), real(x, fast.weight, 1e-6)) and calls == [1]
+    # with autograd recording (fine-tuning) the torch ops run: the kernel has no backward
+    fast(x).float().sum().backward()
+    assert calls == [1] and fast.weight.grad is not None
     # the variable is read once, when the plan is made: a later change does not reach a built module
     monkeypatch.setenv(rms_norm.ENV_BACKEND, "torch")
-    fast(x)
-    assert calls == [1, 1]
-    DeepseekV41RMSNorm(64, 1e-6, numerics="fast")(x)
+    with torch.no_grad():
+        fast(x)
+        assert calls == [1, 1]
+        DeepseekV41RMSNorm(64, 1e-6, numerics="fast")(x)
     assert calls == [1, 1]
     monkeypatch.setenv(rms_norm.ENV_BACKEND, "fastest")
     with pytest.raises(DeepseekV41NumericsError, match="DEEPSEEK_V41_RMSNORM_BACKEND.*backend must be one of"):
@@ -89,6 +112,8 @@ def test_bad_arguments_are_refused():
     w = torch.ones(64, dtype=torch.bfloat16)
     with pytest.raises(RMSNormKernelError, match="bf16"):
         rms_norm.rms_norm_triton(torch.zeros(2, 64), w, 1e-6)
+    with pytest.raises(RMSNormKernelError, match="bf16 or fp32 weight"):
+        rms_norm.rms_norm_triton(torch.zeros(2, 64, dtype=torch.bfloat16), w.half(), 1e-6)
     with pytest.raises(RMSNormKernelError, match="must be \\[D\\]"):
         rms_norm.rms_norm_triton(torch.zeros(2, 32, dtype=torch.bfloat16), w, 1e-6)
     with pytest.raises(RMSNormKernelError, match="past the kernel"):

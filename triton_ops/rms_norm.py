@@ -7,7 +7,9 @@ time per node). This kernel does the same per row in one launch::
 
     y = bf16( float(w) * (x * rsqrt(mean(x^2) + eps)) )      (fp32 inside, x widened to fp32)
 
-with the reference's operation order (`inference/model.py: RMSNorm`). It is not bitwise equal to
+with the reference's operation order (`inference/model.py: RMSNorm`; the vision tower's
+`inference/vision.py: RMSNorm` is the same formula with an fp32 weight, which the kernel reads as
+it is). It is not bitwise equal to
 the torch ops: the mean's summation order and the GPU's rsqrt differ in the last fp32 bits, which
 moves an output by one bf16 ulp now and then, so only ``numerics="fast"`` uses it (exact numerics
 keep the reference's op sequence).
@@ -37,6 +39,7 @@ if triton is not None:
 
 ENV_BACKEND = "DEEPSEEK_V41_RMSNORM_BACKEND"
 MAX_COLS = 16384  # the model's rows: 5120 (hidden), 1280 (q_lora), 512 (latent), 128 (index keys)
+WEIGHT_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class RMSNormKernelError(ValueError):
@@ -46,14 +49,17 @@ class RMSNormKernelError(ValueError):
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, W_FP32: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
         x = _bf16_to_fp32(tl.load(x_ptr + row * n_cols + cols, mask=ok, other=0.0))
         mean = tl.sum(x * x, axis=0) / n_cols
         scaled = x * tl.div_rn(1.0, tl.sqrt_rn(mean + eps))  # 1/sqrt, each IEEE-rounded
-        w = _bf16_to_fp32(tl.load(w_ptr + cols, mask=ok, other=0.0))
+        if W_FP32:
+            w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+        else:
+            w = _bf16_to_fp32(tl.load(w_ptr + cols, mask=ok, other=0.0))
         tl.store(out_ptr + row * n_cols + cols, _to_bf16_rne(w * scaled), mask=ok)
 
 
@@ -68,18 +74,18 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
     Args:
         x: bf16 ``[..., D]``, any strides (copied if not contiguous), D <= :data:`MAX_COLS`.
-        weight: bf16 ``[D]``.
+        weight: bf16 or fp32 ``[D]`` (the LLM's norms hold bf16, the vision tower's fp32).
         eps: added to the mean of squares.
 
     Returns:
         bf16 ``[..., D]``, a new contiguous tensor on the device of `x`.
 
     Raises:
-        RMSNormKernelError: non-bf16 tensors, a weight that is not ``[D]``, D past the limit,
+        RMSNormKernelError: x not bf16, a weight not bf16 / fp32 or not ``[D]``, D past the limit,
             Triton missing, or a CPU tensor outside Triton's interpreter.
     """
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
-        raise RMSNormKernelError(f"rms_norm_triton takes bf16 x and weight, got {x.dtype} and {weight.dtype}")
+    if x.dtype != torch.bfloat16 or weight.dtype not in WEIGHT_DTYPES:
+        raise RMSNormKernelError(f"rms_norm_triton takes bf16 x and a bf16 or fp32 weight, got {x.dtype} and {weight.dtype}")
     if x.dim() == 0 or weight.shape != x.shape[-1:]:
         raise RMSNormKernelError(f"weight {tuple(weight.shape)} must be [D] for x {tuple(x.shape)}")
     if x.size(-1) > MAX_COLS:
@@ -99,9 +105,10 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
         return out
     block = triton.next_power_of_2(n_cols)
     _rms_norm_kernel[(n_rows,)](
-        src, weight.contiguous(), out, n_cols, float(eps), BLOCK=block, num_warps=8 if block >= 4096 else 4
+        src, weight.contiguous(), out, n_cols, float(eps), W_FP32=weight.dtype == torch.float32, BLOCK=block,
+        num_warps=8 if block >= 4096 else 4,
     )
     return out
 
 
-__all__ = ["ENV_BACKEND", "MAX_COLS", "RMSNormKernelError", "rms_norm_triton"]
+__all__ = ["ENV_BACKEND", "MAX_COLS", "WEIGHT_DTYPES", "RMSNormKernelError", "rms_norm_triton"]

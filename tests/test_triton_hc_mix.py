@@ -1,0 +1,82 @@
+"""The mHC collapse / expand kernels (`triton_ops/hc_mix.py`), run by Triton's CPU interpreter,
+against the torch ops of `DeepseekV41HyperConnection.pre / post` (the reference's `hc_pre` /
+`hc_post`): the same fp32 products, the copies summed from 0 in ascending order, one rounding to
+bf16, so at most one bf16 ulp apart where torch sums in another order (in practice equal). Also:
+which numerics and modes take them, and bad arguments.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deepseek_v41_vl.triton_ops.hc_mix as hc_mix
+from deepseek_v41_vl.modeling.hyper_connection_deepseek_v41_vl import DeepseekV41HyperConnection
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+def _assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype == torch.bfloat16
+    same_sign = (ours.view(torch.int16) < 0) == (ref.view(torch.int16) < 0)
+    assert bool((same_sign | (ours == ref)).all())
+    assert int(_ulps(ours, ref)[same_sign].max()) <= 1
+    assert (ours == ref).float().mean().item() >= 0.99
+
+
+def _inputs(batch: int, seq: int, hc: int, dim: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(batch, seq, hc, dim, generator=g) * torch.logspace(-2, 2, dim)).to(torch.bfloat16)
+    f = (torch.randn(batch, seq, dim, generator=g) * 3).to(torch.bfloat16)
+    mix = torch.rand(batch, seq, hc, generator=g) + 1e-3
+    post = 2 * torch.rand(batch, seq, hc, generator=g)
+    comb = torch.rand(batch, seq, hc, hc, generator=g)
+    comb = comb / comb.sum(-1, keepdim=True)
+    return x, f, mix, post, comb
+
+
+@pytest.mark.parametrize("batch,seq,hc,dim", [(1, 1, 4, 5120), (2, 3, 4, 700), (1, 2, 3, 64), (1, 1, 1, 32)])
+def test_kernels_agree_with_the_torch_ops(batch, seq, hc, dim):
+    x, f, mix, post, comb = _inputs(batch, seq, hc, dim, seed=dim)
+    module = DeepseekV41HyperConnection(hc, 20, 1e-6, 1e-6, numerics="exact")
+    _assert_close(hc_mix.hc_pre_triton(x, mix), module.pre(x, mix))
+    _assert_close(hc_mix.hc_post_triton(f, x, post, comb), module.post(f, x, post, comb))
+
+
+def test_fast_numerics_take_the_kernels_without_autograd(monkeypatch):
+    import deepseek_v41_vl.modeling.hyper_connection_deepseek_v41_vl as hyper
+
+    calls = []
+    monkeypatch.setattr(hyper, "hc_pre_triton", lambda *a: calls.append("pre") or hc_mix.hc_pre_triton(*a))
+    monkeypatch.setattr(hyper, "hc_post_triton", lambda *a: calls.append("post") or hc_mix.hc_post_triton(*a))
+    monkeypatch.setenv(hc_mix.ENV_BACKEND, "triton")  # on the CPU: the interpreter
+    x, f, mix, post, comb = _inputs(1, 2, 4, 64, seed=1)
+    exact = DeepseekV41HyperConnection(4, 20, 1e-6, 1e-6, numerics="exact")
+    fast = DeepseekV41HyperConnection(4, 20, 1e-6, 1e-6, numerics="fast")
+    exact.pre(x, mix), exact.post(f, x, post, comb)
+    assert calls == []
+    _assert_close(fast.pre(x, mix), exact.pre(x, mix))
+    _assert_close(fast.post(f, x, post, comb), exact.post(f, x, post, comb))
+    assert calls == ["pre", "post"]
+    # autograd recording (fine-tuning): the torch ops, so gradients reach f and the mixes
+    f_grad, post_grad = f.float().requires_grad_(), post.clone().requires_grad_()
+    fast.post(f_grad.bfloat16(), x, post_grad, comb).float().sum().backward()
+    assert calls == ["pre", "post"] and post_grad.grad is not None and f_grad.grad is not None
+    fast.pre(x.float(), mix)  # fp32 streams: the torch ops
+    assert calls == ["pre", "post"]
+
+
+def test_bad_arguments_are_refused():
+    x, f, mix, post, comb = _inputs(1, 2, 4, 64)
+    with pytest.raises(hc_mix.HcMixError, match="bf16 \\[B, S, hc, D\\]"):
+        hc_mix.hc_pre_triton(x.float(), mix)
+    with pytest.raises(hc_mix.HcMixError, match="mix must be fp32"):
+        hc_mix.hc_pre_triton(x, mix[..., :3])
+    with pytest.raises(hc_mix.HcMixError, match="f must be bf16"):
+        hc_mix.hc_post_triton(f[:, :1], x, post, comb)
+    with pytest.raises(hc_mix.HcMixError, match="comb must be fp32"):
+        hc_mix.hc_post_triton(f, x, post, comb.double())
+    with pytest.raises(hc_mix.HcMixError, match="copies"):
+        hc_mix.hc_pre_triton(torch.zeros(1, 1, 17, 8, dtype=torch.bfloat16), torch.zeros(1, 1, 17))

@@ -1,0 +1,106 @@
+"""The vision MLP's SwiGLU in one Triton launch (fast numerics).
+
+`inference/vision.py: MLP` computes ``F.silu(gate) * up`` on the two halves of `w1`'s bf16 output:
+two torch kernels, each reading a strided half of a ``[N, 2I]`` tensor and writing a full bf16
+intermediate (at the largest image, 8649 x 2816, about 0.3 ms of copies per block). This kernel
+reads each half once and writes the product once, with torch's two roundings::
+
+    s = bf16( g / (1 + exp(-g)) )        (fp32 inside, g widened; exp = CUDA's expf, IEEE division)
+    y = bf16( float(s) * float(u) )
+
+On the GPU that is the torch ops' arithmetic (their silu computes ``x / (1 + exp(-x))`` in fp32
+with the accurate ``expf``, the product in fp32, each rounded to bf16 once); Triton's interpreter
+takes numpy's exp instead, so there it may differ in the last bit.
+
+Launch: grid ``(N, cdiv(I, BLOCK))``; bf16 on the bits (the interpreter's casts truncate). No host
+synchronisation, only the output allocation: CUDA-graph capturable once compiled.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional: CPU-only installs use the torch ops
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - exercised only where Triton is missing
+    triton = None
+    tl = None
+
+from .kernel_backend import on_input_device, triton_available, triton_interpret_mode
+
+if triton is not None:
+    from .fake_quant import _bf16_to_fp32
+    from .quant_linear import _to_bf16_rne
+
+ENV_BACKEND = "DEEPSEEK_V41_SWIGLU_BACKEND"
+_BLOCK = 1024
+
+
+class SwiGLUKernelError(ValueError):
+    """Bad arguments to :func:`swiglu_triton`: dtype, shape or device."""
+
+
+if triton is not None:
+
+    @triton.jit
+    def _swiglu_kernel(h_ptr, out_ptr, inter, stride_h, INTERPRET: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < inter
+        g = _bf16_to_fp32(tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0))
+        u = _bf16_to_fp32(tl.load(h_ptr + row * stride_h + inter + cols, mask=ok, other=0.0))
+        if INTERPRET:
+            e = tl.exp(-g)  # the interpreter has no libdevice
+        else:
+            e = libdevice.exp(-g)  # CUDA's expf, as torch's silu kernel
+        s = _bf16_to_fp32(_to_bf16_rne(tl.div_rn(g, 1.0 + e)))
+        tl.store(out_ptr + row * inter + cols, _to_bf16_rne(s * u), mask=ok)
+
+
+def _kernel_is_interpreted() -> bool:
+    # triton.jit picks the interpreter when the kernel is *defined* (TRITON_INTERPRET at import)
+    return triton is not None and type(_swiglu_kernel).__name__ == "InterpretedFunction"
+
+
+@on_input_device
+def swiglu_triton(h: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` with ``gate, up = h.chunk(2, -1)``, in one launch (module docstring).
+
+    Args:
+        h: bf16 ``[..., 2I]`` (w1's output), unit stride along the last dimension (copied if not).
+
+    Returns:
+        bf16 ``[..., I]``, a new contiguous tensor on the device of `h`.
+
+    Raises:
+        SwiGLUKernelError: h not bf16, an odd last dimension, Triton missing, or a CPU tensor
+            outside Triton's interpreter.
+    """
+    if h.dtype != torch.bfloat16:
+        raise SwiGLUKernelError(f"swiglu_triton takes bf16, got {h.dtype}")
+    if h.dim() == 0 or h.size(-1) % 2:
+        raise SwiGLUKernelError(f"the last dimension of h {tuple(h.shape)} must hold gate | up (even)")
+    if not triton_available():
+        raise SwiGLUKernelError("swiglu_triton needs the triton package, which is not installed")
+    interpreted = _kernel_is_interpreted() and triton_interpret_mode()
+    if h.device.type != "cuda" and not interpreted:
+        raise SwiGLUKernelError(
+            f"swiglu_triton needs a CUDA tensor (got {h.device.type}) or Triton's interpreter "
+            "(TRITON_INTERPRET=1 before this module is imported)"
+        )
+    inter = h.size(-1) // 2
+    rows = h.reshape(-1, 2 * inter)  # a view for the tensors the model passes
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(*h.shape[:-1], inter, dtype=torch.bfloat16, device=h.device)
+    if rows.size(0) == 0 or inter == 0:
+        return out
+    _swiglu_kernel[(rows.size(0), triton.cdiv(inter, _BLOCK))](
+        rows, out, inter, rows.stride(0), INTERPRET=interpreted, BLOCK=_BLOCK, num_warps=4
+    )
+    return out
+
+
+__all__ = ["ENV_BACKEND", "SwiGLUKernelError", "swiglu_triton"]
