@@ -193,17 +193,25 @@ def profile_steps(model, inputs, device, steps: int = 8) -> list[str]:
 
 
 @torch.no_grad()
-def profile_call(fn, device, title: str) -> list[str]:
-    """The kernels of one call of `fn` (after one warm-up call)."""
+def profile_call(fn, device, title: str, top_ops: int = 25) -> list[str]:
+    """The kernels of one call of `fn` (after one warm-up call), then the `top_ops` torch ops by
+    the GPU time of their own kernels, per input shapes (which call site a kernel belongs to)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     sync(device)
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         fn()
         sync(device)
-    return kernel_table(prof, 1, title, time.perf_counter() - start)
+    lines = kernel_table(prof, 1, title, time.perf_counter() - start)
+    ops = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.device_type.name == "CPU" and e.self_device_time_total > 0]
+    lines += ["", "| torch op | input shapes | GPU ms (own kernels) | calls |", "|---|---|---|---|"]
+    for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:top_ops]:
+        shapes = str(e.input_shapes)[:110].replace("|", "/")
+        lines.append(f"| {e.key} | {shapes} | {e.self_device_time_total / 1e3:.3f} | {e.count} |")
+    return lines
 
 
 def host_profile(model, inputs, device, steps: int = 16) -> None:
