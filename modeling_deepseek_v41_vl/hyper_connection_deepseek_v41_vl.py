@@ -12,9 +12,10 @@ Numerics: exact (the default) runs the split + Sinkhorn as the torch ops below, 
 the reference on CPU. Fast runs it as one Triton launch (`triton_ops/hc_sinkhorn.py`) where the
 backend resolves to Triton (CUDA tensors, or ``DEEPSEEK_V41_HC_SINKHORN_BACKEND=triton``): the
 same op order, within a few fp32 ulps (only ``exp`` differs), instead of ~90 small launches.
-Likewise the collapse and expand (`pre`, `post`) of bf16 streams take one launch each in fast
-numerics (`triton_ops/hc_mix.py`, the plan's ``hc_mix`` backend) unless autograd records them:
-the same products, the copies summed in another order at most.
+Likewise the projection of :meth:`mixes` (two launches), the collapse and the expand (`pre`,
+`post`, one launch each) of bf16 streams in fast numerics (`triton_ops/hc_mix.py`, the plan's
+``hc_mix`` backend) unless autograd records them: the same products, summed in another order at
+most.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..triton_ops.hc_mix import MAX_HC_MULT as HC_MIX_MAX_HC_MULT
-from ..triton_ops.hc_mix import hc_post_triton, hc_pre_triton
+from ..triton_ops.hc_mix import hc_mixes_triton, hc_post_triton, hc_pre_triton
 from ..triton_ops.hc_sinkhorn import hc_split_sinkhorn_triton
 from .layers_deepseek_v41_vl import needs_grad
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
@@ -167,10 +168,13 @@ class DeepseekV41HyperConnection(nn.Module):
             raise DeepseekV41HyperConnectionError(
                 f"fn has shape {tuple(fn.shape)}, incompatible with x {tuple(x.shape)}"
             )
-        flat = x.flatten(2).float()
-        # one RMS statistic over all N*D values of a token, applied after the projection, no weight
-        rsqrt = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
-        m = F.linear(flat, fn) * rsqrt
+        if self._fused((x,), (fn,)):
+            m = hc_mixes_triton(x, fn, self.norm_eps)
+        else:
+            flat = x.flatten(2).float()
+            # one RMS statistic over all N*D values of a token, applied after the projection, no weight
+            rsqrt = torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
+            m = F.linear(flat, fn) * rsqrt
         if self.numerics.backend("hc_sinkhorn", m.device) == "triton":
             return hc_split_sinkhorn_triton(m, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps)
         return hc_split_sinkhorn(m, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps)

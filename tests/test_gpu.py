@@ -880,6 +880,15 @@ def test_hc_mix_kernels_agree_with_the_torch_ops(batch, seq):
         ulps = (ours.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
         _METRICS[f"hc_mix/{name}/{batch}x{seq}"] = {"max_ulps": int(ulps.max()), "equal": (ulps == 0).float().mean().item()}
         assert int(ulps.max()) <= 1, _METRICS[f"hc_mix/{name}/{batch}x{seq}"]
+    # the projection: exact fp32 FMA sums (no TF32) in another order than cuBLAS's fp32 GEMM
+    from deepseek_v41_vl.triton_ops.hc_mix import hc_mixes_triton
+
+    fn = torch.randn(24, 4 * 5120, generator=gen, device=CUDA) * (4 * 5120) ** -0.5
+    flat = x.flatten(2).float()
+    ref = F.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + 1e-6)
+    ours = hc_mixes_triton(x, fn, 1e-6)
+    _METRICS[f"hc_mix/mixes/{batch}x{seq}"] = {"max_rel": ((ours - ref).abs().max() / ref.abs().max()).item()}
+    assert ((ours - ref).abs() <= 1e-5 * ref.abs().max()).all(), _METRICS[f"hc_mix/mixes/{batch}x{seq}"]
 
 
 @pytest.mark.parametrize("shape", [(8649, 2 * 2816), (3, 2 * 2816), (5, 2 * 40)])

@@ -45,12 +45,27 @@ def test_kernels_agree_with_the_torch_ops(batch, seq, hc, dim):
     _assert_close(hc_mix.hc_post_triton(f, x, post, comb), module.post(f, x, post, comb))
 
 
+@pytest.mark.parametrize("batch,seq,hc,dim", [(1, 1, 4, 5120), (2, 17, 4, 96), (1, 3, 3, 40)])
+def test_projection_agrees_with_the_torch_ops(batch, seq, hc, dim):
+    # one decode row at release width (split over 80 programs), 34 rows (three row blocks, one
+    # split), an odd width (a ragged last K step); fp32 sums in another order: a few fp32 ulps
+    x, *_ = _inputs(batch, seq, hc, dim, seed=dim + seq)
+    g = torch.Generator().manual_seed(7)
+    fn = torch.randn((2 + hc) * hc, hc * dim, generator=g) * (hc * dim) ** -0.5
+    ours = hc_mix.hc_mixes_triton(x, fn, 1e-6)
+    flat = x.flatten(2).float()
+    ref = torch.nn.functional.linear(flat, fn) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + 1e-6)
+    assert ours.shape == ref.shape and ours.dtype == torch.float32
+    assert ((ours - ref).abs() <= 1e-5 * ref.abs().max()).all()
+
+
 def test_fast_numerics_take_the_kernels_without_autograd(monkeypatch):
     import deepseek_v41_vl.modeling.hyper_connection_deepseek_v41_vl as hyper
 
     calls = []
     monkeypatch.setattr(hyper, "hc_pre_triton", lambda *a: calls.append("pre") or hc_mix.hc_pre_triton(*a))
     monkeypatch.setattr(hyper, "hc_post_triton", lambda *a: calls.append("post") or hc_mix.hc_post_triton(*a))
+    monkeypatch.setattr(hyper, "hc_mixes_triton", lambda *a: calls.append("mixes") or hc_mix.hc_mixes_triton(*a))
     monkeypatch.setenv(hc_mix.ENV_BACKEND, "triton")  # on the CPU: the interpreter
     x, f, mix, post, comb = _inputs(1, 2, 4, 64, seed=1)
     exact = DeepseekV41HyperConnection(4, 20, 1e-6, 1e-6, numerics="exact")
@@ -66,6 +81,11 @@ def test_fast_numerics_take_the_kernels_without_autograd(monkeypatch):
     assert calls == ["pre", "post"] and post_grad.grad is not None and f_grad.grad is not None
     fast.pre(x.float(), mix)  # fp32 streams: the torch ops
     assert calls == ["pre", "post"]
+    g = torch.Generator().manual_seed(2)
+    fn, scale, base = torch.randn(24, 4 * 64, generator=g) * 0.06, torch.rand(3, generator=g), torch.randn(24, generator=g)
+    for ours, ref in zip(fast.mixes(x, fn, scale, base), exact.mixes(x, fn, scale, base)):
+        assert ((ours - ref).abs() <= 1e-5 * ref.abs().max()).all()
+    assert calls == ["pre", "post", "mixes"]
 
 
 def test_bad_arguments_are_refused():
@@ -78,5 +98,7 @@ def test_bad_arguments_are_refused():
         hc_mix.hc_post_triton(f[:, :1], x, post, comb)
     with pytest.raises(hc_mix.HcMixError, match="comb must be fp32"):
         hc_mix.hc_post_triton(f, x, post, comb.double())
+    with pytest.raises(hc_mix.HcMixError, match="fn must be fp32"):
+        hc_mix.hc_mixes_triton(x, torch.zeros(24, 255), 1e-6)
     with pytest.raises(hc_mix.HcMixError, match="copies"):
         hc_mix.hc_pre_triton(torch.zeros(1, 1, 17, 8, dtype=torch.bfloat16), torch.zeros(1, 1, 17))

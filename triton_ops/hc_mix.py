@@ -1,7 +1,8 @@
-"""The mHC collapse and expand of DeepSeek-V4.1 in one Triton launch each (fast numerics).
+"""The mHC projection, collapse and expand of DeepSeek-V4.1 in Triton (fast numerics).
 
-Mirrors `inference/model.py: Block.hc_pre` and `Block.hc_post` (the torch ops are
-`modeling/hyper_connection_deepseek_v41_vl.py: DeepseekV41HyperConnection.pre / post`,
+Mirrors `inference/model.py: Block.hc_mixes` (up to the split + Sinkhorn, which is
+`hc_sinkhorn.py`), `Block.hc_pre` and `Block.hc_post` (the torch ops are
+`modeling/hyper_connection_deepseek_v41_vl.py: DeepseekV41HyperConnection.mixes / pre / post`,
 REFERENCE.md section 4). In torch each is a chain of broadcast products, a reduction over the
 copies and casts, and `post` materialises an fp32 ``[T, hc, hc, D]`` product: at a 16K-token
 prefill that is ~5 GiB written and read again per call, 80 calls a forward. Here a program takes
@@ -12,9 +13,21 @@ one token and a block of columns and keeps everything in registers::
 
 with torch's order: each product rounded to fp32 on its own (no FMA contraction), the sum over
 the copies taken from 0 in ascending i, the expand's product added last, one rounding to bf16.
+Launch: grid ``(T, cdiv(D, BLOCK_D))`` for T tokens.
 
-Launch: grid ``(T, cdiv(D, BLOCK_D))`` for T tokens; no host synchronisation, only the output
-allocation: CUDA-graph capturable once compiled.
+The projection (:func:`hc_mixes_triton`) is, per token row ``v = float(x.flatten())`` of
+``hc * D`` values::
+
+    m = (fn @ v) * rsqrt(mean(v^2) + eps)          fp32 [(2 + hc) * hc]
+
+torch runs it as a widening copy, a square, a mean, an rsqrt, an fp32 GEMM and a product. Here a
+first launch takes ``BLOCK_T`` rows and 1/SPLIT of the columns (split for few rows: one decode
+row would leave one program reading 20480 columns alone) and stores fp32 partial dot products and
+sums of squares; a second adds the splits in order and scales. The dot products are exact fp32
+FMA sums (``input_precision="ieee"``, no TF32), in another order than cuBLAS's.
+
+No launch synchronises with the host; each allocates only its output: CUDA-graph capturable
+once compiled.
 """
 
 from __future__ import annotations
@@ -75,6 +88,45 @@ if triton is not None:
         tl.store(out_ptr + (t * HC + j[:, None]) * D + cols[None, :], _to_bf16_rne(out), mask=j_ok[:, None] & ok[None, :])
 
 
+    @triton.jit
+    def _hc_mixes_partial_kernel(x_ptr, fn_ptr, dot_ptr, sq_ptr, T, K, NM, K_PER_SPLIT,
+                                 BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        split = tl.program_id(1)
+        row_ok = rows < T
+        outs = tl.arange(0, BLOCK_M)
+        out_ok = outs < NM
+        acc = tl.zeros((BLOCK_T, BLOCK_M), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        k_lo = split * K_PER_SPLIT
+        for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_ok = cols < K
+            v = _bf16_to_fp32(tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
+                                      mask=row_ok[:, None] & col_ok[None, :], other=0.0))
+            w = tl.load(fn_ptr + outs.to(tl.int64)[None, :] * K + cols[:, None],
+                        mask=out_ok[None, :] & col_ok[:, None], other=0.0)  # fn^T tile [BLOCK_K, BLOCK_M]
+            acc = tl.dot(v, w, acc, input_precision="ieee")
+            sq += tl.sum(v * v, axis=1)
+        base = (split * T + rows).to(tl.int64)
+        tl.store(dot_ptr + base[:, None] * NM + outs[None, :], acc, mask=row_ok[:, None] & out_ok[None, :])
+        tl.store(sq_ptr + base, sq, mask=row_ok)
+
+    @triton.jit
+    def _hc_mixes_finish_kernel(dot_ptr, sq_ptr, out_ptr, T, K, NM, eps, SPLIT: tl.constexpr,
+                                BLOCK_M: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        outs = tl.arange(0, BLOCK_M)
+        out_ok = outs < NM
+        acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        sq = tl.zeros((1,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(dot_ptr + (s * T + row) * NM + outs, mask=out_ok, other=0.0)
+            sq += tl.load(sq_ptr + s * T + row + tl.arange(0, 1))
+        scale = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sq, K * 1.0) + eps))  # rsqrt(mean + eps), IEEE-rounded
+        tl.store(out_ptr + row * NM + outs, acc * scale, mask=out_ok)
+
+
 def _check_runnable(*tensors: torch.Tensor) -> None:
     if not triton_available():
         raise HcMixError("the mHC mix kernels need the triton package, which is not installed")
@@ -98,6 +150,53 @@ def _fp32(t: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
     if t.dtype != torch.float32 or tuple(t.shape) != shape:
         raise HcMixError(f"{name} must be fp32 {list(shape)}, got {t.dtype} {list(t.shape)}")
     return t.contiguous()
+
+
+# rows per program of the projection; columns per K step; programs a decode row is split over
+_MIXES_BLOCK_T = 16
+_MIXES_BLOCK_K = 128
+_MIXES_SPLIT_TARGET = 128
+
+
+@on_input_device
+def hc_mixes_triton(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """The mHC projection before the split + Sinkhorn: ``m = (fn @ v) * rsqrt(mean(v^2) + eps)``
+    per token, ``v`` its ``hc * D`` values in fp32 (`Block.hc_mixes`), in two launches.
+
+    Args:
+        x: bf16 ``[B, S, hc, D]``. fn: fp32 ``[(2 + hc) * hc, hc * D]``. eps: the norm's eps.
+
+    Returns:
+        fp32 ``[B, S, (2 + hc) * hc]``.
+
+    Raises:
+        HcMixError: other shapes or dtypes, tensors on two devices, Triton missing, or CPU
+            tensors outside Triton's interpreter.
+    """
+    tokens, hc, dim = _stream(x, "x")
+    n_mix, width = (2 + hc) * hc, hc * dim
+    fn = _fp32(fn, (n_mix, width), "fn")
+    _check_runnable(x, fn)
+    rows = x.contiguous().view(tokens, width)
+    out = torch.empty(*x.shape[:2], n_mix, dtype=torch.float32, device=x.device)
+    if tokens == 0:
+        return out
+    row_blocks = triton.cdiv(tokens, _MIXES_BLOCK_T)
+    k_steps = triton.cdiv(width, _MIXES_BLOCK_K)
+    split = max(1, min(k_steps, _MIXES_SPLIT_TARGET // row_blocks))
+    steps_per_split = triton.cdiv(k_steps, split)
+    split = triton.cdiv(k_steps, steps_per_split)  # no split left without columns
+    dots = torch.empty(split, tokens, n_mix, dtype=torch.float32, device=x.device)
+    sq = torch.empty(split, tokens, dtype=torch.float32, device=x.device)
+    block_m = max(16, triton.next_power_of_2(n_mix))
+    _hc_mixes_partial_kernel[(row_blocks, split)](
+        rows, fn, dots, sq, tokens, width, n_mix, steps_per_split * _MIXES_BLOCK_K,
+        BLOCK_T=_MIXES_BLOCK_T, BLOCK_M=block_m, BLOCK_K=_MIXES_BLOCK_K, num_warps=4,
+    )
+    _hc_mixes_finish_kernel[(tokens,)](
+        dots, sq, out, tokens, width, n_mix, float(eps), SPLIT=split, BLOCK_M=block_m, num_warps=1,
+    )
+    return out
 
 
 @on_input_device
@@ -158,4 +257,4 @@ def hc_post_triton(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
     return out
 
 
-__all__ = ["ENV_BACKEND", "MAX_HC_MULT", "HcMixError", "hc_post_triton", "hc_pre_triton"]
+__all__ = ["ENV_BACKEND", "MAX_HC_MULT", "HcMixError", "hc_mixes_triton", "hc_post_triton", "hc_pre_triton"]
