@@ -566,6 +566,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         SPLIT: tl.constexpr,
+        N_ACC: tl.constexpr,  # partial sums per pair and split: 2 (gate, up) or 1 (down)
     ):
         pid = tl.program_id(0)
         n_blk = tl.program_id(1)
@@ -630,13 +631,15 @@ if triton is not None:
             store_ok = valid[:, None] & (rows_n < N)[None, :]
             if SPLIT > 1:
                 # fp32 partial sums [pairs, columns]; `_moe_split_epilogue_kernel` adds the splits
-                n_acc: tl.constexpr = 2 if GATE_UP else 1
-                part = part_ptr + ((split * n_acc * n_pairs + pair.to(tl.int64)) * N)[:, None] + rows_n[None, :]
+                part = part_ptr + ((split * N_ACC * n_pairs + pair.to(tl.int64)) * N)[:, None] + rows_n[None, :]
                 tl.store(part, tl.trans(acc_a), mask=store_ok)
                 if GATE_UP:
                     tl.store(part + n_pairs * N, tl.trans(acc_b), mask=store_ok)
             else:
-                rw = tl.load(rw_ptr + pair, mask=valid & GATE_UP, other=0.0)
+                if GATE_UP:
+                    rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
+                else:
+                    rw = tl.zeros((BLOCK_M,), dtype=tl.float32)  # unused
                 res = _expert_epilogue(tl.trans(acc_a), tl.trans(acc_b), rw, limit, GATE_UP, FMT, HAS_LIMIT,
                                        BLOCK_M, BLOCK_N)
                 out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * N + rows_n[None, :]
@@ -667,21 +670,23 @@ if triton is not None:
     @triton.jit
     def _moe_split_epilogue_kernel(part_ptr, rw_ptr, out_ptr, n_pairs, N, limit, GATE_UP: tl.constexpr,
                                    FMT: tl.constexpr, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr,
-                                   BLOCK_N: tl.constexpr):
+                                   N_ACC: tl.constexpr, BLOCK_N: tl.constexpr):
         # one pair's columns: the SPLIT partial sums added in split order (fp32, deterministic),
         # then the epilogue the unsplit launch applies
         pair = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = cols < N
-        n_acc: tl.constexpr = 2 if GATE_UP else 1
         acc_a = tl.zeros((1, BLOCK_N), dtype=tl.float32)
         acc_b = tl.zeros((1, BLOCK_N), dtype=tl.float32)
         for s in tl.static_range(SPLIT):
-            base = part_ptr + (s * n_acc * n_pairs + pair) * N + cols[None, :]
+            base = part_ptr + (s * N_ACC * n_pairs + pair) * N + cols[None, :]
             acc_a += tl.load(base, mask=ok[None, :], other=0.0)
             if GATE_UP:
                 acc_b += tl.load(base + n_pairs * N, mask=ok[None, :], other=0.0)
-        rw = tl.load(rw_ptr + pair + tl.arange(0, 1), mask=GATE_UP, other=0.0)
+        if GATE_UP:
+            rw = tl.load(rw_ptr + pair + tl.arange(0, 1))
+        else:
+            rw = tl.zeros((1,), dtype=tl.float32)  # unused
         res = _expert_epilogue(acc_a, acc_b, rw, limit, GATE_UP, FMT, HAS_LIMIT, 1, BLOCK_N)
         tl.store(out_ptr + pair * N + cols[None, :], res.to(tl.bfloat16), mask=ok[None, :])
 
@@ -864,14 +869,14 @@ def moe_experts_triton(
         _moe_expert_gemm_kernel[grid](
             a, ids, rw, table.weight_base, scale_base, table.offsets, out_t, part,
             n_pairs, table.n_experts, n, k, a.stride(0), w_row, s_row, float(table.swiglu_limit),
-            GATE_UP=gate_up, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=warps, num_stages=stages,
-            **common,
+            GATE_UP=gate_up, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, N_ACC=2 if gate_up else 1,
+            num_warps=warps, num_stages=stages, **common,
         )
         if split > 1:
             block_e = min(_EPILOGUE_BLOCK_N, triton.next_power_of_2(n))
             _moe_split_epilogue_kernel[(n_pairs, triton.cdiv(n, block_e))](
                 part, rw, out_t, n_pairs, n, float(table.swiglu_limit), GATE_UP=gate_up, FMT=fmt,
-                HAS_LIMIT=common["HAS_LIMIT"], SPLIT=split, BLOCK_N=block_e, num_warps=4,
+                HAS_LIMIT=common["HAS_LIMIT"], SPLIT=split, N_ACC=2 if gate_up else 1, BLOCK_N=block_e, num_warps=4,
             )
 
     if fmt != 0:  # the gate-up input quantization, once per token row
