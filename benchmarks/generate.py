@@ -101,15 +101,23 @@ def timed_generate(model, inputs, new_tokens: int, device) -> float:
     return time.perf_counter() - start
 
 
+def graph_captures(model) -> int:
+    """Decode CUDA graphs the model's layers have captured so far."""
+    return sum(segment.captures for layer in model.model.layers for segment in (layer._decode_segments or {}).values())
+
+
 def decode_case(model, inputs, steps: int, device, reps: int) -> dict:
-    """Time to first token (a 1-token generate) and decode ms/token through generate()."""
+    """Time to first token (a 1-token generate) and decode ms/token through generate(), and the
+    graphs captured during the timed calls (after one warm-up call: 0 when every new cache gets
+    the buffers, hence the graphs, of the one before)."""
     timed_generate(model, inputs, steps, device)  # warm-up: graph captures for this shape
+    before = graph_captures(model)
     first = statistics.median(timed_generate(model, inputs, 1, device) for _ in range(reps))
     whole = statistics.median(timed_generate(model, inputs, steps, device) for _ in range(reps))
     batch = inputs["input_ids"].shape[0]
     per_token = (whole - first) / (steps - 1)
     return {"batch": batch, "prompt": inputs["input_ids"].shape[1], "ttft_s": first,
-            "decode_ms": 1e3 * per_token, "tok_s": batch / per_token}
+            "decode_ms": 1e3 * per_token, "tok_s": batch / per_token, "captures": graph_captures(model) - before}
 
 
 class DecodeLoop:
@@ -234,8 +242,9 @@ def host_profile(model, inputs, device, steps: int = 16) -> None:
 
 
 @torch.no_grad()
-def vision_ms(model, processor, device, reps: int) -> tuple[str, float]:
-    """The ViT + aligner on the largest image the token budget allows (93 x 93 patches)."""
+def vision_ms(model, processor, device, reps: int) -> tuple[str, float, float | None]:
+    """The ViT + aligner on the largest image the token budget allows (93 x 93 patches): the grid,
+    the median wall ms and (CUDA) the median ms between CUDA events around the call."""
     from PIL import Image
 
     side = 93 * processor.image_processor.patch_size
@@ -245,15 +254,22 @@ def vision_ms(model, processor, device, reps: int) -> tuple[str, float]:
     grid = pixels["image_grid_thw"].to(device)
     embed = model.model.get_image_features
     embed(values, grid)
-    times = []
+    times, events = [], []
     for _ in range(reps):
         sync(device)
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else None
         start = time.perf_counter()
+        if marks:
+            marks[0].record()
         embed(values, grid)
+        if marks:
+            marks[1].record()
         sync(device)
         times.append(time.perf_counter() - start)
+        if marks:
+            events.append(marks[0].elapsed_time(marks[1]))
     n_h, n_w = grid[0, 1:].tolist()
-    return f"{n_h}x{n_w}", 1e3 * statistics.median(times)
+    return f"{n_h}x{n_w}", 1e3 * statistics.median(times), statistics.median(events) if events else None
 
 
 def long_text(processor, tokens: int) -> str:
@@ -295,17 +311,18 @@ def main(argv=None) -> int:
              f"{held / 2**30:.1f} GiB held (routed experts: one layer's storage shared by all MoE layers; "
              f"Engram tables {model.config.text_config.engram_num_embeddings} rows); greedy, min_new_tokens = max_new_tokens = {args.steps}, "
              f"median of {args.reps}; decode_layer_runs={args.layer_runs}", "",
-             "| case | batch | prompt tokens | time to first token | decode ms/token | tokens/s | model forward ms/step |",
-             "|---|---|---|---|---|---|---|"]
+             "| case | batch | prompt tokens | time to first token | decode ms/token | tokens/s | model forward ms/step "
+             "| graphs captured in the timed calls |",
+             "|---|---|---|---|---|---|---|---|"]
 
     def row(name, inputs, loop=False):
         try:
             r = decode_case(model, inputs, args.steps, device, args.reps)
             own = f"{forward_loop_ms(model, inputs, args.steps, device):.1f}" if loop else ""
             lines.append(f"| {name} | {r['batch']} | {r['prompt']} | {r['ttft_s'] * 1e3:.0f} ms | "
-                         f"{r['decode_ms']:.1f} | {r['tok_s']:.1f} | {own} |")
+                         f"{r['decode_ms']:.1f} | {r['tok_s']:.1f} | {own} | {r['captures']} |")
         except torch.cuda.OutOfMemoryError:
-            lines.append(f"| {name} | | | OOM | | | |")
+            lines.append(f"| {name} | | | OOM | | | | |")
             torch.cuda.empty_cache()
         print(lines[-1], flush=True)
 
@@ -343,8 +360,9 @@ def main(argv=None) -> int:
             prompts = [(TEXT + " Please." * (i % 5), [photo] if i % 2 == 0 else []) for i in range(b)]
             row("left-padded image/text prompts", chat_inputs(processor, prompts, device))
     if "vision" in args.cases:
-        grid, ms = vision_ms(model, processor, device, args.reps + 1)
-        lines += ["", f"- vision tower + aligner, {grid} patches: {ms:.1f} ms"]
+        grid, ms, event_ms = vision_ms(model, processor, device, args.reps + 1)
+        between = "" if event_ms is None else f" ({event_ms:.1f} ms between CUDA events around the call)"
+        lines += ["", f"- vision tower + aligner, {grid} patches: {ms:.1f} ms{between}"]
         print(lines[-1], flush=True)
         if args.profile:
             lines += ["", *profile_call(lambda: vision_ms(model, processor, device, 1), device,

@@ -12,8 +12,6 @@ checkpoint's storage), at T token rows (default 1 and 8). Per T:
 - GB/s: expert bytes read (distinct experts x (w1 + w3 + w2 codes + e8m0 scales)) per second;
 - the whole MoE forward (router + routed + shared expert) eager, kernel path vs grouped path.
 
-- K splits (``config["split"]``): fixed ones against the default choice (`split_k`).
-
 ``--sweep`` also times other tilings of the gate-up and down launches (a few minutes).
 
 Usage (CUDA only)::
@@ -161,16 +159,6 @@ def bench_tokens(moe, n_tokens: int, device, sweep: bool) -> list[str]:
                              graph_bytes / replay / 1e6, "-"])
             except Exception as exc:  # noqa: BLE001 - report and go on
                 rows.append([f"kernels ({mma})", "failed", "-", f"{type(exc).__name__}: {str(exc)[:200]}"])
-        # K splits (`split_k`): the default choice against fixed ones, eager and from a graph
-        for split in ((1, 1), (2, 2), (4, 2), (4, 4), (8, 4), (8, 8), None):
-            cfg = {} if split is None else {"split": split}
-            name = "default" if split is None else str(split)
-            out = kernels.moe_experts_triton(x, weights, indices, table, config=cfg)
-            eager = triton.testing.do_bench(lambda: kernels.moe_experts_triton(x, weights, indices, table, config=cfg), rep=100)
-            fns = [lambda i=i, w=w: kernels.moe_experts_triton(x, w, i, table, config=cfg) for i, w in routes]
-            replay = graph_ms(fns, device)
-            rows.append([f"kernels, split {name}, eager", eager, nbytes / eager / 1e6, compare(out, ref)])
-            rows.append([f"kernels, split {name}, CUDA graph", replay, graph_bytes / replay / 1e6, "-"])
     lines.append("| routed experts | ms | GB/s | vs grouped path |\n|---|---|---|---|")
     for name, ms, gbs, note in rows:
         ms_s = f"{ms:.4f}" if isinstance(ms, float) else ms

@@ -245,7 +245,7 @@ class DeepseekV41Attention(nn.Module):
             return layer_cache.window_kv, self.decode_window_idxs(state, bsz, x.device)
         if start_pos == 0:
             window_kv = kv
-            layer_cache.window_kv = kv.new_zeros(bsz, win, self.head_dim)
+            layer_cache.window_kv = layer_cache.buffer("window_kv", (bsz, win, self.head_dim), kv)
         else:
             window_kv = torch.cat([layer_cache.window_kv, kv], dim=1)  # a copy: the ring can be updated
         keep = min(seqlen, win)
@@ -297,7 +297,9 @@ class DeepseekV41Attention(nn.Module):
             else:
                 latent = self._compressed_row(latents.values, latent_freqs)
             layer_cache = state.cache.layer(self.layer_id)
-            layer_cache.compressed_kv = latents.store(layer_cache.compressed_kv, latent, fresh=start_pos == 0)
+            layer_cache.compressed_kv = latents.store(
+                layer_cache.compressed_kv, latent, fresh=start_pos == 0, role=layer_cache.role("compressed_kv")
+            )
         source = state.cache.layer(self.kv_source).compressed_kv
         if source is None:
             if compress_len:

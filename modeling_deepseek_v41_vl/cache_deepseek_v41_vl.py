@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .buffer_pool_deepseek_v41_vl import cache_buffer
 from .crop_deepseek_v41_vl import DeepseekV41CropHistory
 from .exceptions_deepseek_v41_vl import DeepseekV41AttentionError, DeepseekV41CacheError
 
@@ -47,26 +48,41 @@ def select_batch_rows(tensor: torch.Tensor | None, index: torch.Tensor) -> torch
     return rows
 
 
+def _capacity(rows: int) -> int:
+    """Storage rows for `rows`: the power of two at or above it (0 for none), so that caches of
+    similar lengths share buffer shapes (and, on CUDA, pooled buffers and their decode graphs)."""
+    return 0 if rows <= 0 else 1 << (rows - 1).bit_length()
+
+
 class DeepseekV41RowBuffer:
-    """Rows ``[B, n, D]`` appended along dim 1, stored with doubling capacity.
+    """Rows ``[B, n, D]`` appended along dim 1, stored in a capacity of a power of two rows
+    (doubling as it grows), zeros past the rows written.
 
     `length` is the number of rows of the longest batch row; with left padding a shorter batch row
     holds zeros past its own end (nothing reads them: they are never visible to its queries).
+    `role` (e.g. ``(layer_id, "compressed_kv")``) names the buffer for the cache buffer pool
+    (`buffer_pool_deepseek_v41_vl.py`); None keeps it out of the pool.
     """
 
-    def __init__(self, rows: torch.Tensor):
+    def __init__(self, rows: torch.Tensor, role: tuple | None = None):
+        self.role = role
         # a copy, never a view: the rows may be a CUDA graph's output, rewritten by its next replay
-        self._data = rows.clone(memory_format=torch.contiguous_format)
+        self._data = self._storage(rows.size(0), _capacity(rows.size(1)), rows)
+        self._data[:, : rows.size(1)] = rows
         self.length = rows.size(1)
 
     @classmethod
-    def empty(cls, like: torch.Tensor) -> "DeepseekV41RowBuffer":
+    def empty(cls, like: torch.Tensor, role: tuple | None = None) -> "DeepseekV41RowBuffer":
         """A buffer with no rows, for `like`'s batch, width, dtype and device."""
-        return cls(like.new_zeros(like.size(0), 0, like.size(-1)))
+        return cls(like.new_zeros(like.size(0), 0, like.size(-1)), role)
+
+    def _storage(self, batch: int, capacity: int, like: torch.Tensor) -> torch.Tensor:
+        role = self.role if capacity else None
+        return cache_buffer(role, (batch, capacity, like.size(2)), like.dtype, like.device, 0.0)
 
     def _grow(self, end: int) -> None:
         if end > self._data.size(1):
-            grown = self._data.new_zeros(self._data.size(0), max(end, 2 * self._data.size(1)), self._data.size(2))
+            grown = self._storage(self._data.size(0), _capacity(max(end, 2 * self._data.size(1))), self._data)
             grown[:, : self.length] = self._data[:, : self.length]
             self._data = grown
 
@@ -152,11 +168,23 @@ class DeepseekV41LayerAttentionCache:
     index_k: DeepseekV41RowBuffer | None = None
     compressor_kv: torch.Tensor | None = None
     compressor_score: torch.Tensor | None = None
+    layer_id: int | None = None
+
+    def role(self, kind: str) -> tuple | None:
+        """The pool role of this layer's buffer `kind` (None when the layer is unnamed)."""
+        return None if self.layer_id is None else (self.layer_id, kind)
+
+    def buffer(self, kind: str, shape: tuple[int, ...], like: torch.Tensor, fill: float = 0.0,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A new buffer `kind` of this layer filled with `fill` (`like`'s dtype unless given, its
+        device): pooled on CUDA (`buffer_pool_deepseek_v41_vl.py`)."""
+        return cache_buffer(self.role(kind), shape, dtype or like.dtype, like.device, fill)
 
     def start_compressor(self, like: torch.Tensor, ratio: int, head_dim: int) -> None:
         """An empty partial group for a new sequence of `like`'s batch: kv zeros, score -inf."""
-        self.compressor_kv = like.new_zeros(like.size(0), ratio, head_dim, dtype=torch.float32)
-        self.compressor_score = like.new_full((like.size(0), ratio, head_dim), -torch.inf, dtype=torch.float32)
+        shape = (like.size(0), ratio, head_dim)
+        self.compressor_kv = self.buffer("compressor_kv", shape, like, 0.0, torch.float32)
+        self.compressor_score = self.buffer("compressor_score", shape, like, -torch.inf, torch.float32)
 
     def park(self, slot, kv: torch.Tensor, score: torch.Tensor) -> None:
         """Write a step's compressor projections ``[B, 1, D]`` into the partial-group slot `slot`
@@ -218,7 +246,9 @@ class DeepseekV41AttentionCache:
         self.prefill_length: int | None = None
 
     def layer(self, layer_id: int) -> DeepseekV41LayerAttentionCache:
-        return self.layers.setdefault(layer_id, DeepseekV41LayerAttentionCache())
+        if layer_id not in self.layers:
+            self.layers[layer_id] = DeepseekV41LayerAttentionCache(layer_id=layer_id)
+        return self.layers[layer_id]
 
     def publish_index_keys(self, layer_id: int, rows: torch.Tensor | None = None) -> None:
         """Record that `layer_id` published index keys, for all batch rows or those where `rows`

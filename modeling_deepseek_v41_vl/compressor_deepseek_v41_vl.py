@@ -46,17 +46,20 @@ class DeepseekV41Latents:
     valid: torch.Tensor | None = None
     first: int | None = None
 
-    def store(self, buffer: DeepseekV41RowBuffer | None, rows: torch.Tensor, fresh: bool) -> DeepseekV41RowBuffer:
-        """Write `rows` (``[B, n, .]``, one per latent) into `buffer` (a new one when `fresh`)."""
+    def store(
+        self, buffer: DeepseekV41RowBuffer | None, rows: torch.Tensor, fresh: bool, role: tuple | None = None
+    ) -> DeepseekV41RowBuffer:
+        """Write `rows` (``[B, n, .]``, one per latent) into `buffer` (a new one, pooled as `role`,
+        when `fresh`)."""
         if self.valid is None:
             if fresh or buffer is None:
                 if self.first == 0:
-                    return DeepseekV41RowBuffer(rows)
-                buffer = DeepseekV41RowBuffer.empty(rows)
+                    return DeepseekV41RowBuffer(rows, role)
+                buffer = DeepseekV41RowBuffer.empty(rows, role)
             buffer.write(self.first, rows)
             return buffer
         if fresh or buffer is None:
-            buffer = DeepseekV41RowBuffer.empty(rows)
+            buffer = DeepseekV41RowBuffer.empty(rows, role)
         buffer.scatter(self.groups, rows, self.valid)
         return buffer
 

@@ -146,7 +146,7 @@ class DeepseekV41Indexer(nn.Module):
         if k is None:
             k = self.index_keys_of(latents.values, latent_freqs)
         layer_cache = state.cache.layer(self.layer_id)
-        layer_cache.index_k = latents.store(layer_cache.index_k, k, fresh=state.start_pos == 0)
+        layer_cache.index_k = latents.store(layer_cache.index_k, k, fresh=state.start_pos == 0, role=layer_cache.role("index_k"))
         state.cache.publish_index_keys(self.layer_id, None if latents.valid is None else latents.valid.any(dim=1))
 
     def forward(

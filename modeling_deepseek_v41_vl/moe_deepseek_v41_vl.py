@@ -22,7 +22,9 @@ Numerics (the model's plan, `numerics_deepseek_v41_vl.py`):
     ``index_add_`` (this reads the expert counts on the host). On CUDA (or with the plan's
     ``moe_prefill`` backend ``triton``) `triton_ops/moe_prefill.py` runs them in chunks of
     experts: one kernel dequantizes a chunk's weights, ``torch._grouped_mm`` multiplies, the SwiGLU
-    runs once per chunk (a few dozen launches per layer instead of ~20 per expert). Elsewhere the
+    runs once per chunk (a few dozen launches per layer instead of ~20 per expert), and the
+    expert kernels' combine launch adds each token's rows in ascending expert id (what
+    ``index_add_`` does on the CPU; on CUDA its atomics add in no fixed order). Elsewhere the
     experts run one by one; on CPU either equals the exact loop given the same expert GEMMs, which
     in ``"fast"`` are dequantized bf16 matmuls (see ``quantization_deepseek_v41_vl.py``).
 """
@@ -33,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..triton_ops.moe_experts import ExpertTableCache, moe_experts_triton, use_moe_experts_kernel
+from ..triton_ops.moe_experts import ExpertTableCache, combine_slots, moe_experts_triton, use_moe_experts_kernel
 from ..triton_ops.moe_prefill import moe_routed_prefill, use_moe_prefill
 from ..triton_ops.moe_routing import route_topk, router_scores
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics, plan_for
@@ -177,8 +179,27 @@ class DeepseekV41Expert(nn.Module):
         return self.w2(hidden.to(x.dtype))
 
 
-# bound on the fp32 copy of the expert outputs one `index_add_` adds (`_routed_grouped`)
+# bound on the fp32 copy of the expert outputs one `index_add_` adds, and on the token-major copy
+# of the bf16 outputs one `combine_slots` call adds (`_routed_grouped`)
 INDEX_ADD_SLICE_BYTES = 256 << 20
+
+
+def _combine_sorted(y_sorted: torch.Tensor, order: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[T, D]``: each token's rows of the expert-sorted outputs `y_sorted` (bf16 ``[T*k,
+    D]``, pair ``order[i]`` at row i) added from 0 in ascending expert id, by the expert kernels'
+    combine launch (`combine_slots`), in slices of tokens. The order `index_add_` adds them in on
+    the CPU; on CUDA that op adds with atomics, in no fixed order."""
+    n_tokens, top_k = indices.shape
+    # where each (token, slot) pair's output row sits in the sorted rows
+    sorted_row = torch.empty_like(order)
+    sorted_row[order] = torch.arange(order.numel(), device=order.device)
+    out = torch.empty(n_tokens, y_sorted.size(1), dtype=torch.float32, device=y_sorted.device)
+    step = max(1, INDEX_ADD_SLICE_BYTES // (2 * top_k * y_sorted.size(1)))
+    for start in range(0, n_tokens, step):
+        stop = min(start + step, n_tokens)
+        rows = y_sorted[sorted_row[start * top_k : stop * top_k]]
+        out[start:stop] = combine_slots(rows, indices[start:stop])
+    return out
 
 
 class DeepseekV41MoE(nn.Module):
@@ -247,15 +268,15 @@ class DeepseekV41MoE(nn.Module):
             # the same math, without ~50 host-issued launches per expert
             table = self.expert_tables.get(self.experts)
             y_sorted = moe_routed_prefill(x_sorted, w_sorted, counts, table)
-        else:
-            y_sorted = torch.empty_like(x_sorted)
-            start = 0
-            for e, count in enumerate(counts):
-                if count == 0:
-                    continue
-                end = start + count
-                y_sorted[start:end] = self.experts[e](x_sorted[start:end], w_sorted[start:end])
-                start = end
+            return _combine_sorted(y_sorted, order, indices)
+        y_sorted = torch.empty_like(x_sorted)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            end = start + count
+            y_sorted[start:end] = self.experts[e](x_sorted[start:end], w_sorted[start:end])
+            start = end
         out = torch.zeros_like(x, dtype=torch.float32)
         # in slices: an fp32 copy of all T x top-k rows would take 1.9 GiB at 16K tokens; the
         # rows are added in the same order either way

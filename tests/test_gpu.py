@@ -425,6 +425,24 @@ def test_generate_after_a_decode_loop_under_inference_mode(golden, converted_tin
     assert tokens.tolist() == reference.generate(**prompt, do_sample=False, max_new_tokens=8).tolist()
 
 
+def test_a_second_generate_replays_the_graphs_of_the_first(golden, converted_tiny_fp8):
+    """Each `generate` makes a new cache; its buffers come from the cache buffer pool
+    (`buffer_pool_deepseek_v41_vl.py`), so a second call of the same shape gets the first call's
+    buffers back and replays its decode graphs: no capture, the same tokens."""
+    model = hf_all_gpu_run(golden, converted_tiny_fp8)["model"]
+    inputs, _ = hf_vl_inputs(golden, converted_tiny_fp8)
+
+    def captures() -> int:
+        return sum(s.captures for layer in model.model.layers for s in (layer._decode_segments or {}).values())
+
+    first = model.generate(**inputs, do_sample=False, max_new_tokens=12)
+    before = captures()
+    assert before > 0
+    second = model.generate(**inputs, do_sample=False, max_new_tokens=12)
+    assert captures() == before
+    assert second.tolist() == first.tolist()
+
+
 def test_a_conversation_on_one_cache_continues_like_one_prefill_on_gpu(golden, converted_tiny_fp8, photos):
     """[conversation] in fast numerics on the GPU: a second turn with its own image, on the cache
     of the first (and again with its span cut across two chunks), within the chunked-prefill

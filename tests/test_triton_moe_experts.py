@@ -34,12 +34,11 @@ HIDDEN, INTER, N_EXPERTS = 64, 32, 8
 BF16_ULP = 2.0**-8
 
 
-def _tiny_moe(fmt: str, limit: float, top_k: int = 2, n_experts: int = N_EXPERTS, seed: int = 0,
-              inter: int = INTER) -> DeepseekV41MoE:
+def _tiny_moe(fmt: str, limit: float, top_k: int = 2, n_experts: int = N_EXPERTS, seed: int = 0) -> DeepseekV41MoE:
     """A MoE with random weights in its storage, written through uint8 views as
     `benchmarks/bench.py: _init_layer` does (fp4 random codes, e8m0 scales ~ fan_in^-0.5)."""
     cfg = DeepseekV41TextConfig(
-        hidden_size=HIDDEN, moe_intermediate_size=inter, n_routed_experts=n_experts, num_experts_per_tok=top_k,
+        hidden_size=HIDDEN, moe_intermediate_size=INTER, n_routed_experts=n_experts, num_experts_per_tok=top_k,
         swiglu_limit=limit, numerics="fast", expert_weight_dtype=fmt, weight_dtype="bf16" if fmt == "bf16" else "fp8",
     )
     moe = DeepseekV41MoE(cfg, 0).eval()
@@ -124,36 +123,6 @@ def test_routed_sum_top4_many_pairs_per_expert_in_chunks():
         out = moe_experts.moe_experts_triton(x, weights, indices, table, config={"block_m": 4})
     assert out.dtype == torch.float32
     _assert_close_to_module_math(out, ref)
-
-
-@pytest.mark.parametrize("fmt", ["fp4", "bf16"])
-@pytest.mark.parametrize("split", [(2, 2), (3, 1), (2, 5)])
-def test_split_k_matches_module_math(fmt, split):
-    # split-K (the GPU's choice for few pairs): each launch's K steps shared by `split` programs,
-    # partial sums added by the epilogue launches. K = 64 / 96 at 32-wide steps: 2 / 3 steps
-    # here, so (3, 1) clamps the gate-up split to 2, (2, 2) shares the down launch's 3 steps
-    # unevenly, (2, 5) clamps the down split to 3. Two tokens on one expert: its member rows
-    moe = _tiny_moe(fmt, 1.0, seed=8, inter=96)
-    x = _inputs(3, seed=9).reshape(-1, HIDDEN)
-    with torch.inference_mode():
-        weights, indices = moe.gate(x)
-        indices[1] = indices[0]
-        ref = moe._routed_grouped(x, weights, indices)
-        table = moe.expert_tables.get(moe.experts)
-        out = moe_experts.moe_experts_triton(x, weights, indices, table, config={"split": split})
-        unsplit = moe_experts.moe_experts_triton(x, weights, indices, table, config={"split": (1, 1)})
-    _assert_close_to_module_math(out, ref)
-    _assert_close_to_module_math(unsplit, ref)
-
-
-def test_split_k_choice():
-    # batch-1 decode at release width on 132 SMs: 6 experts x 36 / 80 column blocks split, a
-    # batch of 64 (384 pairs) does not; never more splits than K steps or _MAX_SPLIT
-    assert moe_experts.split_k(6, 384, 36, 40, 132) == 5
-    assert moe_experts.split_k(6, 384, 80, 18, 132) == 3
-    assert moe_experts.split_k(384, 384, 36, 40, 132) == 1
-    assert moe_experts.split_k(1, 384, 1, 3, 132) == 3
-    assert moe_experts.split_k(1, 384, 1, 100, 132) == moe_experts._MAX_SPLIT
 
 
 def test_torch_fallback_is_the_grouped_path():
@@ -325,9 +294,6 @@ def test_bad_input_raises(monkeypatch):
         run(x, w, ids, table, config={"block_m": 12})
     with pytest.raises(MoEExpertsError, match="multiple of 32"):
         run(x, w, ids, table, config={"gate_up": (16, 32, 1, 1)})
-    for bad in ((0, 1), (2,), (1.5, None)):
-        with pytest.raises(MoEExpertsError, match="K splits"):
-            run(x, w, ids, table, config={"split": bad})
     monkeypatch.setenv(moe_experts.ENV_MMA, "wgmma")
     with pytest.raises(MoEExpertsError, match=moe_experts.ENV_MMA):
         run(x, w, ids, table)

@@ -1,4 +1,4 @@
-"""Routed MoE experts of DeepSeek-V4.1 for a few token rows (decode), in four launches (six with split-K), no host sync.
+"""Routed MoE experts of DeepSeek-V4.1 for a few token rows (decode), in four launches, no host sync.
 
 Mirrors `inference/model.py: Expert.forward` and the routed half of `MoE.forward` for
 ``numerics="fast"`` (REFERENCE.md sections 8 and 21.11). For each (token t, slot j) pair with expert
@@ -45,10 +45,6 @@ Design (:func:`moe_experts_triton`):
    down projection's input fake-quant right there (a 32-group of h lies inside the program's
    ``BLOCK_N`` columns): it stores ``fq(h)`` bf16 ``[P, I]``.
 4. **Down launch**, grid ``(P, cdiv(D, BLOCK_N))``, the same grouping, stores ``y`` bf16 ``[P, D]``.
-   **Split-K** (few pairs, :func:`split_k`): both launches get a third grid axis of ``SPLIT``
-   programs, each summing 1/SPLIT of the K steps; they store fp32 partial sums and an epilogue
-   launch per GEMM adds them in split order and applies the same epilogue (another fp32
-   summation order than the unsplit launch, still deterministic).
 5. **Combine launch**, grid ``(T, cdiv(D, BLOCK_D))``: per token, the k slots are visited in
    ascending expert id (repeated minimum) and added in fp32: ``out`` fp32 ``[T, D]``. No atomics;
    every output element is written by one program, so results are run-to-run deterministic.
@@ -73,7 +69,6 @@ then picks Triton for CUDA tensors. On the CPU the kernels run only in Triton's 
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -105,7 +100,6 @@ __all__ = [
     "moe_experts_torch",
     "moe_experts_triton",
     "resolve_moe_experts_backend",
-    "split_k",
     "use_moe_experts_kernel",
 ]
 
@@ -545,7 +539,6 @@ if triton is not None:
         s_base,  # uint8 scale base (unused for bf16)
         offs_ptr,  # int64 [E, 6] offsets from the bases
         out_ptr,  # bf16 [P, N]
-        part_ptr,  # fp32 [SPLIT, 1 or 2, P, N] partial sums (SPLIT > 1 only)
         n_pairs,
         n_experts,
         N,
@@ -565,16 +558,9 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        SPLIT: tl.constexpr,
-        N_ACC: tl.constexpr,  # partial sums per pair and split: 2 (gate, up) or 1 (down)
     ):
         pid = tl.program_id(0)
         n_blk = tl.program_id(1)
-        # this program's share of the K steps (all of them without a split)
-        split = tl.program_id(2)
-        k_steps = K // BLOCK_K
-        k_lo = (split * k_steps // SPLIT) * BLOCK_K
-        k_hi = ((split + 1) * k_steps // SPLIT) * BLOCK_K
         # this program's expert and all pairs routed to it; only the expert's first pair's
         # programs work, the others leave (n_members = 0)
         pairs = tl.arange(0, BLOCK_P)
@@ -621,74 +607,30 @@ if triton is not None:
                 row_off = pair.to(tl.int64) * stride_a
             acc_a = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             acc_b = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
+            for k0 in range(0, K, BLOCK_K):
                 xa_t, xb_t = _load_act_t(a_ptr, row_off, valid, k0, FMT == 1 and MANUAL, BLOCK_M, BLOCK_K)
                 w0, w1 = _load_weight_tile(wa_rows, sa_rows, k0, FMT, MANUAL, BLOCK_N, BLOCK_K)
                 acc_a = _weight_dot(acc_a, w0, w1, xa_t, xb_t, FMT, MANUAL, UPCAST_DOT, BLOCK_K)
                 if GATE_UP:
                     w0, w1 = _load_weight_tile(wb_rows, sb_rows, k0, FMT, MANUAL, BLOCK_N, BLOCK_K)
                     acc_b = _weight_dot(acc_b, w0, w1, xa_t, xb_t, FMT, MANUAL, UPCAST_DOT, BLOCK_K)
-            store_ok = valid[:, None] & (rows_n < N)[None, :]
-            if SPLIT > 1:
-                # fp32 partial sums [pairs, columns]; `_moe_split_epilogue_kernel` adds the splits
-                part = part_ptr + ((split * N_ACC * n_pairs + pair.to(tl.int64)) * N)[:, None] + rows_n[None, :]
-                tl.store(part, tl.trans(acc_a), mask=store_ok)
-                if GATE_UP:
-                    tl.store(part + n_pairs * N, tl.trans(acc_b), mask=store_ok)
-            else:
-                if GATE_UP:
-                    rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
-                else:
-                    rw = tl.zeros((BLOCK_M,), dtype=tl.float32)  # unused
-                res = _expert_epilogue(tl.trans(acc_a), tl.trans(acc_b), rw, limit, GATE_UP, FMT, HAS_LIMIT,
-                                       BLOCK_M, BLOCK_N)
-                out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * N + rows_n[None, :]
-                tl.store(out_ptrs, res.to(tl.bfloat16), mask=store_ok)
-
-    @triton.jit
-    def _expert_epilogue(acc_a, acc_b, rw, limit, GATE_UP: tl.constexpr, FMT: tl.constexpr,
-                         HAS_LIMIT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-        # The fp32 K sums of [ROWS pairs, COLS features] -> the launch's bf16 values (as fp32):
-        # gate-up: fq(h) (h for bf16 experts) from the gate (acc_a) and up (acc_b) sums and the
-        # pairs' routing weights rw [ROWS]; down: y (acc_b unused)
-        if GATE_UP:
-            gate = _round_bf16(acc_a)  # the linears' bf16 outputs, then .float()
-            up = _round_bf16(acc_b)
-            if HAS_LIMIT:
-                up = tl.minimum(tl.maximum(up, -limit), limit)
-                gate = tl.minimum(gate, limit)
-            act = tl.div_rn(gate, 1.0 + tl.exp(-gate)) * up  # silu(g) * u, as torch
-            res = _round_bf16(rw[:, None] * act)  # h
-            if FMT != 0:
-                # the down projection's input quantization, done here: a 32-group of h lies
-                # inside these columns (COLS is a multiple of 32)
-                res = _fake_quant_e4m3(res, _group_amax(res, ROWS, COLS, 32), ROWS, COLS, 32)
-        else:
-            res = _round_bf16(acc_a)
-        return res
-
-    @triton.jit
-    def _moe_split_epilogue_kernel(part_ptr, rw_ptr, out_ptr, n_pairs, N, limit, GATE_UP: tl.constexpr,
-                                   FMT: tl.constexpr, HAS_LIMIT: tl.constexpr, SPLIT: tl.constexpr,
-                                   N_ACC: tl.constexpr, BLOCK_N: tl.constexpr):
-        # one pair's columns: the SPLIT partial sums added in split order (fp32, deterministic),
-        # then the epilogue the unsplit launch applies
-        pair = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ok = cols < N
-        acc_a = tl.zeros((1, BLOCK_N), dtype=tl.float32)
-        acc_b = tl.zeros((1, BLOCK_N), dtype=tl.float32)
-        for s in tl.static_range(SPLIT):
-            base = part_ptr + (s * N_ACC * n_pairs + pair) * N + cols[None, :]
-            acc_a += tl.load(base, mask=ok[None, :], other=0.0)
             if GATE_UP:
-                acc_b += tl.load(base + n_pairs * N, mask=ok[None, :], other=0.0)
-        if GATE_UP:
-            rw = tl.load(rw_ptr + pair + tl.arange(0, 1))
-        else:
-            rw = tl.zeros((1,), dtype=tl.float32)  # unused
-        res = _expert_epilogue(acc_a, acc_b, rw, limit, GATE_UP, FMT, HAS_LIMIT, 1, BLOCK_N)
-        tl.store(out_ptr + pair * N + cols[None, :], res.to(tl.bfloat16), mask=ok[None, :])
+                gate = _round_bf16(acc_a)  # the linears' bf16 outputs, then .float()
+                up = _round_bf16(acc_b)
+                if HAS_LIMIT:
+                    up = tl.minimum(tl.maximum(up, -limit), limit)
+                    gate = tl.minimum(gate, limit)
+                act = tl.div_rn(gate, 1.0 + tl.exp(-gate)) * up  # silu(g) * u, as torch
+                rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
+                res = tl.trans(_round_bf16(rw[None, :] * act))  # h: [BLOCK_M, BLOCK_N]
+                if FMT != 0:
+                    # the down projection's input quantization, done here: a 32-group of h
+                    # lies inside this program's columns (BLOCK_N is a multiple of 32)
+                    res = _fake_quant_e4m3(res, _group_amax(res, BLOCK_M, BLOCK_N, 32), BLOCK_M, BLOCK_N, 32)
+            else:
+                res = tl.trans(_round_bf16(acc_a))
+            out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * N + rows_n[None, :]
+            tl.store(out_ptrs, res.to(tl.bfloat16), mask=valid[:, None] & (rows_n < N)[None, :])
 
     @triton.jit
     def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, D, TOP_K: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -727,28 +669,6 @@ def _default_mma() -> str:
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) per launch; the interpreter uses small tiles (speed)
 _GPU_CONFIG = {"gate_up": (64, 128, 4, 3), "down": (64, 128, 4, 3)}
 _INTERPRET_CONFIG = {"gate_up": (32, 32, 1, 1), "down": (16, 32, 1, 1)}
-# Split-K: with few pairs (batch-1 decode: 6 experts x 36 column blocks) the programs that work
-# leave most SMs idle and read the experts far below the memory's bandwidth; then each program
-# takes 1/SPLIT of the K steps, stores fp32 partial sums, and an epilogue launch adds them (in
-# split order) and applies the rounding, SwiGLU and fake-quant. Splits are chosen so that about
-# this many programs per SM work, at most _MAX_SPLIT.
-_SPLIT_PROGRAMS_PER_SM = 8
-_MAX_SPLIT = 8
-_EPILOGUE_BLOCK_N = 256
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def split_k(n_pairs: int, n_experts: int, n_blocks: int, k_steps: int, sm_count: int) -> int:
-    """K splits for a launch of `n_pairs` pairs over `n_blocks` column blocks and `k_steps` K steps:
-    enough that the programs doing work (at most one per distinct expert and column block) fill
-    `sm_count` SMs about :data:`_SPLIT_PROGRAMS_PER_SM` deep; 1 when they already do."""
-    working = max(1, min(n_pairs, n_experts) * n_blocks)
-    want = -(-_SPLIT_PROGRAMS_PER_SM * sm_count // working)
-    return max(1, min(want, k_steps, _MAX_SPLIT))
 
 
 def _block_k(k: int, want: int) -> int:
@@ -778,10 +698,8 @@ def moe_experts_triton(
         mma: ``"scaled"`` (``tl.dot_scaled``), ``"manual"``, or None: ``DEEPSEEK_V41_MOE_EXPERTS_MMA``,
             else ``"scaled"`` where Triton has it. Ignored for bf16 experts.
         config: per launch ``{"gate_up": (BLOCK_N, BLOCK_K, num_warps, num_stages), "down": (...),
-            "block_m": 16, "split": (gate_up, down)}`` overrides (benchmarks sweep these); BLOCK_K is
-            halved until it divides K. ``block_m`` (pairs of one expert per MMA, a power of 2) must
-            be >= 16 on the GPU. ``split``: K splits per launch (an int >= 1, or None for
-            :func:`split_k`'s choice; the interpreter's default is 1).
+            "block_m": 16}`` overrides (benchmarks sweep these); BLOCK_K is halved until it divides K.
+            ``block_m`` (pairs of one expert per MMA, a power of 2) must be >= 16 on the GPU.
 
     Returns:
         fp32 ``[T, D]``: the sum over each row's k experts, in ascending expert id.
@@ -841,17 +759,9 @@ def moe_experts_triton(
         BLOCK_M=block_m,
     )
 
-    splits = config.get("split", (1, 1) if interpret else (None, None))
-    if len(splits) != 2 or any(v is not None and (not isinstance(v, int) or v < 1) for v in splits):
-        raise MoEExpertsError(f"split must be (gate_up, down) K splits, each an int >= 1 or None, got {splits!r}")
-
     def launch(gate_up: bool, a, n, k, out_t):
         block_n, block_k, warps, stages = config["gate_up" if gate_up else "down"]
         block_k = _block_k(k, block_k)
-        split = splits[0 if gate_up else 1]
-        if split is None:
-            split = split_k(n_pairs, table.n_experts, triton.cdiv(n, block_n), k // block_k, _sm_count(x.device.index))
-        split = min(split, k // block_k)
         if block_k < QUANT_GROUP:
             raise MoEExpertsError(f"K={k} has no block size >= {QUANT_GROUP} dividing it")
         if gate_up and block_n % QUANT_GROUP:
@@ -862,22 +772,12 @@ def moe_experts_triton(
             w_row, s_row = k, -(-k // QUANT_GROUP)
         else:
             w_row, s_row = k, 0
-        grid = (n_pairs, triton.cdiv(n, block_n), split)
-        part = out_t  # not read without a split
-        if split > 1:
-            part = torch.empty(split, 2 if gate_up else 1, n_pairs, n, dtype=torch.float32, device=x.device)
+        grid = (n_pairs, triton.cdiv(n, block_n))
         _moe_expert_gemm_kernel[grid](
-            a, ids, rw, table.weight_base, scale_base, table.offsets, out_t, part,
+            a, ids, rw, table.weight_base, scale_base, table.offsets, out_t,
             n_pairs, table.n_experts, n, k, a.stride(0), w_row, s_row, float(table.swiglu_limit),
-            GATE_UP=gate_up, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, N_ACC=2 if gate_up else 1,
-            num_warps=warps, num_stages=stages, **common,
+            GATE_UP=gate_up, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **common,
         )
-        if split > 1:
-            block_e = min(_EPILOGUE_BLOCK_N, triton.next_power_of_2(n))
-            _moe_split_epilogue_kernel[(n_pairs, triton.cdiv(n, block_e))](
-                part, rw, out_t, n_pairs, n, float(table.swiglu_limit), GATE_UP=gate_up, FMT=fmt,
-                HAS_LIMIT=common["HAS_LIMIT"], SPLIT=split, N_ACC=2 if gate_up else 1, BLOCK_N=block_e, num_warps=4,
-            )
 
     if fmt != 0:  # the gate-up input quantization, once per token row
         xq = torch.empty(n_tokens, d, dtype=torch.bfloat16, device=x.device)
