@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from deepseek_v41_vl.modeling.buffer_pool_deepseek_v41_vl import clear_buffer_pool
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import _sync as sync, environment  # noqa: E402
@@ -323,6 +325,7 @@ def main(argv=None) -> int:
                          f"{r['decode_ms']:.1f} | {r['tok_s']:.1f} | {own} | {r['captures']} |")
         except torch.cuda.OutOfMemoryError:
             lines.append(f"| {name} | | | OOM | | | | |")
+            clear_buffer_pool()
             torch.cuda.empty_cache()
         print(lines[-1], flush=True)
 

@@ -23,6 +23,7 @@ with ``max_crop=N`` can be cropped back to the end of any of its forwards of the
 from __future__ import annotations
 
 import numbers
+import weakref
 
 from dataclasses import dataclass
 
@@ -307,7 +308,10 @@ class DeepseekV41CacheLayer(CacheLayerMixin):
     def __init__(self, state: DeepseekV41LayerAttentionCache, owner: "DeepseekV41Cache"):
         super().__init__()
         self.state = state
-        self._owner = owner
+        # weak: a strong one would make a cycle with the cache's `layers`, which only the cyclic
+        # garbage collector frees; reference counting must free a dead cache at once, so that
+        # the next cache gets its pooled buffers (and their decode graphs) back
+        self._owner = weakref.ref(owner)
 
     @property
     def is_initialized(self) -> bool:  # type: ignore[override]
@@ -328,7 +332,10 @@ class DeepseekV41CacheLayer(CacheLayerMixin):
         )
 
     def get_seq_length(self) -> int:
-        return self._owner.get_seq_length()
+        owner = self._owner()
+        if owner is None:
+            raise DeepseekV41CacheError("this cache layer outlived its DeepseekV41Cache")
+        return owner.get_seq_length()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # the attention builds its own index lists; this is what a full-attention layer would report

@@ -93,3 +93,25 @@ def test_row_buffers_hold_power_of_two_capacities_with_zeros_past_the_rows():
     assert buffer.length == 9 and buffer.storage(16).shape == (2, 16, 3)
     assert torch.equal(buffer.rows(5), rows) and bool((buffer.storage(16)[:, 9:] == 0).all())
     assert DeepseekV41RowBuffer.empty(rows).length == 0
+
+
+def test_a_finished_generate_leaves_no_cache_alive(tiny_model):
+    """A cache must die by reference counting as soon as `generate` returns (a reference cycle
+    would keep it, and its buffers, until the cyclic collector runs: the next call would allocate
+    new buffers and capture every decode graph again)."""
+    import gc
+
+    from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
+
+    def live_caches() -> int:
+        return sum(isinstance(o, DeepseekV41Cache) for o in gc.get_objects())
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    gc.collect()
+    gc.disable()
+    try:
+        before = live_caches()
+        tiny_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=3)
+        assert live_caches() == before
+    finally:
+        gc.enable()
