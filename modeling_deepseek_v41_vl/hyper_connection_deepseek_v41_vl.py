@@ -128,8 +128,10 @@ class DeepseekV41HyperConnection(nn.Module):
         hc_eps (`float`): `hc_eps` (Sinkhorn and `pre`).
         norm_eps (`float`): `rms_norm_eps`, inside the rsqrt of :meth:`mixes`.
         numerics: the model's plan (or a mode name): in fast numerics :meth:`mixes` runs the
-            Sinkhorn as one Triton kernel where the plan's ``hc_sinkhorn`` backend is Triton;
-            exact numerics keep the torch ops.
+            Sinkhorn as one Triton kernel where the plan's ``hc_sinkhorn`` backend is Triton, and
+            the projection (decode-sized calls), :meth:`pre` and :meth:`post` take the kernels of
+            `triton_ops/hc_mix.py` where its ``hc_mix`` backend is; exact numerics keep the torch
+            ops.
     """
 
     def __init__(
@@ -162,7 +164,8 @@ class DeepseekV41HyperConnection(nn.Module):
 
         Raises:
             DeepseekV41HyperConnectionError: `x` is not `[B, S, N, D]` or `fn` does not match it.
-            HcSinkhornError: (fast numerics) ``triton`` forced where the kernel cannot run.
+            HcSinkhornError, HcMixError: (fast numerics) ``triton`` forced where the kernels
+                cannot run.
         """
         self._check_stream(x, "x")
         if fn.shape != ((2 + self.hc_mult) * self.hc_mult, self.hc_mult * x.size(-1)):
@@ -188,6 +191,11 @@ class DeepseekV41HyperConnection(nn.Module):
 
         Returns:
             `[B, S, D]` in `x.dtype`.
+
+        Raises:
+            DeepseekV41HyperConnectionError: `x` is not `[B, S, N, D]`.
+            HcMixError: (fast numerics) ``triton`` forced where the kernel cannot run, or
+                inputs that do not fit it.
         """
         self._check_stream(x, "x")
         if self._fused((x,), (mix,)):
@@ -195,8 +203,8 @@ class DeepseekV41HyperConnection(nn.Module):
         return torch.sum(mix.unsqueeze(-1) * x.float(), dim=2).to(x.dtype)
 
     def _fused(self, streams: tuple[torch.Tensor, ...], mixes: tuple[torch.Tensor, ...]) -> bool:
-        # the one-launch collapse / expand: fast numerics with the Triton backend, bf16 streams,
-        # fp32 mixes, and no autograd (the kernels have no backward)
+        # the `hc_mix` kernels (projection, collapse, expand): fast numerics with the Triton
+        # backend, bf16 streams, fp32 mixes, and no autograd (the kernels have no backward)
         return (
             all(t.dtype == torch.bfloat16 for t in streams)
             and all(t.dtype == torch.float32 for t in mixes)
@@ -218,6 +226,11 @@ class DeepseekV41HyperConnection(nn.Module):
 
         Returns:
             `[B, S, N, D]` in `f.dtype` (computed in fp32).
+
+        Raises:
+            DeepseekV41HyperConnectionError: `residual` is not `[B, S, N, D]`.
+            HcMixError: (fast numerics) ``triton`` forced where the kernel cannot run, or
+                inputs that do not fit it.
         """
         self._check_stream(residual, "residual")
         if self._fused((residual, f), (post, comb)):

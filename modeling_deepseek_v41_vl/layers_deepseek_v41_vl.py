@@ -17,7 +17,9 @@ from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
 
 def needs_grad(*tensors: torch.Tensor) -> bool:
     """Whether autograd would record an op on `tensors`: then a module keeps its torch ops, since
-    the fused kernels have no backward."""
+    the fused kernels have no backward. (Under gradient checkpointing a forward run without
+    autograd takes the kernels and its recomputation the torch ops: the same formulas, which
+    may round the last bf16 bit apart.)"""
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
