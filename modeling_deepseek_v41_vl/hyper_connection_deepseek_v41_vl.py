@@ -236,7 +236,7 @@ class DeepseekV41HyperConnection(nn.Module):
         if self._fused((residual, f), (post, comb)):
             return hc_post_triton(f, residual, post, comb)
         batch, seq, n, dim = residual.shape
-        step = max(1, POST_SLICE_BYTES // (batch * n * n * dim * 4))
+        step = max(1, POST_SLICE_BYTES // max(1, batch * n * n * dim * 4))
         if seq <= step:
             return _post(f, residual, post, comb)
         out = torch.empty(residual.shape, dtype=f.dtype, device=residual.device)

@@ -100,5 +100,11 @@ def test_bad_arguments_are_refused():
         hc_mix.hc_post_triton(f, x, post, comb.double())
     with pytest.raises(hc_mix.HcMixError, match="fn must be fp32"):
         hc_mix.hc_mixes_triton(x, torch.zeros(24, 255), 1e-6)
+    with pytest.raises(hc_mix.HcMixError, match="no columns"):
+        hc_mix.hc_mixes_triton(torch.zeros(1, 1, 4, 0, dtype=torch.bfloat16), torch.zeros(24, 0), 1e-6)
+    empty = torch.zeros(0, 3, 4, 64, dtype=torch.bfloat16)
+    exact = DeepseekV41HyperConnection(4, 20, 1e-6, 1e-6, numerics="exact")
+    assert exact.post(torch.zeros(0, 3, 64, dtype=torch.bfloat16), empty, torch.zeros(0, 3, 4),
+                      torch.zeros(0, 3, 4, 4)).shape == empty.shape  # no division by an empty slice
     with pytest.raises(hc_mix.HcMixError, match="copies"):
         hc_mix.hc_pre_triton(torch.zeros(1, 1, 17, 8, dtype=torch.bfloat16), torch.zeros(1, 1, 17))

@@ -112,6 +112,8 @@ def test_bad_arguments_are_refused():
     w = torch.ones(64, dtype=torch.bfloat16)
     with pytest.raises(RMSNormKernelError, match="bf16"):
         rms_norm.rms_norm_triton(torch.zeros(2, 64), w, 1e-6)
+    with pytest.raises(RMSNormKernelError, match="weight is on meta"):
+        rms_norm.rms_norm_triton(torch.zeros(2, 64, dtype=torch.bfloat16), w.to("meta"), 1e-6)
     with pytest.raises(RMSNormKernelError, match="bf16 or fp32 weight"):
         rms_norm.rms_norm_triton(torch.zeros(2, 64, dtype=torch.bfloat16), w.half(), 1e-6)
     with pytest.raises(RMSNormKernelError, match="must be \\[D\\]"):

@@ -45,6 +45,7 @@ def test_strided_rows_and_no_rows():
     h = base[:, 1]  # every other row: a row stride of 256
     assert int(_ulps(swiglu.swiglu_triton(h), _torch_swiglu(h)).max()) <= 1
     assert swiglu.swiglu_triton(torch.zeros(0, 64, dtype=torch.bfloat16)).shape == (0, 32)
+    assert swiglu.swiglu_triton(torch.zeros(3, 0, dtype=torch.bfloat16)).shape == (3, 0)
 
 
 def test_the_vision_mlp_takes_it_in_fast_numerics_without_autograd(monkeypatch):

@@ -174,11 +174,13 @@ def hc_mixes_triton(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tens
         fp32 ``[B, S, (2 + hc) * hc]``.
 
     Raises:
-        HcMixError: other shapes or dtypes, tensors on two devices, Triton missing, or CPU
-            tensors outside Triton's interpreter.
+        HcMixError: other shapes or dtypes, no columns (D = 0), tensors on two devices, Triton
+            missing, or CPU tensors outside Triton's interpreter.
     """
     tokens, hc, dim = _stream(x, "x")
     n_mix, width = (2 + hc) * hc, hc * dim
+    if width == 0:
+        raise HcMixError(f"x {tuple(x.shape)} has no columns: the projection's norm would divide by 0")
     fn = _fp32(fn, (n_mix, width), "fn")
     _check_runnable(x, fn)
     rows = x.contiguous().view(tokens, width)

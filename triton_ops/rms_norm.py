@@ -81,13 +81,16 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
         bf16 ``[..., D]``, a new contiguous tensor on the device of `x`.
 
     Raises:
-        RMSNormKernelError: x not bf16, a weight not bf16 / fp32 or not ``[D]``, D past the limit,
+        RMSNormKernelError: x not bf16, a weight not bf16 / fp32, not ``[D]`` or on another
+            device, D past the limit,
             Triton missing, or a CPU tensor outside Triton's interpreter.
     """
     if x.dtype != torch.bfloat16 or weight.dtype not in WEIGHT_DTYPES:
         raise RMSNormKernelError(f"rms_norm_triton takes bf16 x and a bf16 or fp32 weight, got {x.dtype} and {weight.dtype}")
     if x.dim() == 0 or weight.shape != x.shape[-1:]:
         raise RMSNormKernelError(f"weight {tuple(weight.shape)} must be [D] for x {tuple(x.shape)}")
+    if weight.device != x.device:
+        raise RMSNormKernelError(f"weight is on {weight.device}, x on {x.device}")
     if x.size(-1) > MAX_COLS:
         raise RMSNormKernelError(f"rows of {x.size(-1)} elements are past the kernel's {MAX_COLS}")
     if not triton_available():

@@ -91,12 +91,12 @@ def swiglu_triton(h: torch.Tensor) -> torch.Tensor:
             "(TRITON_INTERPRET=1 before this module is imported)"
         )
     inter = h.size(-1) // 2
+    out = torch.empty(*h.shape[:-1], inter, dtype=torch.bfloat16, device=h.device)
+    if out.numel() == 0:
+        return out
     rows = h.reshape(-1, 2 * inter)  # a view for the tensors the model passes
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(*h.shape[:-1], inter, dtype=torch.bfloat16, device=h.device)
-    if rows.size(0) == 0 or inter == 0:
-        return out
     _swiglu_kernel[(rows.size(0), triton.cdiv(inter, _BLOCK))](
         rows, out, inter, rows.stride(0), INTERPRET=interpreted, BLOCK=_BLOCK, num_warps=4
     )
