@@ -4,8 +4,8 @@ Data flow, top down: `modeling` (`DeepseekV41Transformer`: embed, image merge, l
 transformers classes) -> `decoder_layer` (Engram, then mHC around attention and MoE) ->
 `attention` (MLA-style projections, window + compressed sparse attention) with `compressor`,
 `indexer`, `attention_state` (one forward's hand-downs) and `cache` (every cached tensor, owned
-by the cache; on CUDA its buffers from `buffer_pool`, kept across caches); `moe`, `engram`, `hyper_connection`, `quantization`, `rope`, `layers` (RMSNorm, head)
-and `vision` beside them. Around the core: `numerics` (the one frozen plan of numerics and kernel
+by the cache; on CUDA its buffers come from `buffer_pool`, kept across caches); `moe`, `engram`,
+`hyper_connection`, `quantization`, `rope`, `layers` (RMSNorm, head) and `vision` beside them. Around the core: `numerics` (the one frozen plan of numerics and kernel
 backends every module holds), `image_spans` (the span geometry the processor and the CLI share),
 `conversation` (images in a later turn on a filled cache) and `prefix_store` (prefilled caches
 keyed by content), `loading` (from_pretrained / save_pretrained / device-map hooks), `checkpoint_names` and

@@ -50,7 +50,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
-from .kernel_backend import on_input_device, resolve_backend, triton_available, triton_interpret_mode
+from .kernel_backend import kernel_interpreted, on_input_device, resolve_backend, triton_available, triton_interpret_mode
 
 if triton is not None:
     from .quant_linear import _pow2_scale, _round_to_e4m3, _to_bf16_rne
@@ -144,7 +144,7 @@ if triton is not None:
 
 def _kernel_is_interpreted() -> bool:
     # triton.jit picks the interpreter when the kernel is *defined* (TRITON_INTERPRET at import)
-    return triton is not None and type(_fake_quant_kernel).__name__ == "InterpretedFunction"
+    return triton is not None and kernel_interpreted(_fake_quant_kernel)
 
 
 def _check_input(x: torch.Tensor, group: int, what: str) -> None:

@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
-from .kernel_backend import on_input_device, triton_available, triton_interpret_mode
+from .kernel_backend import kernel_interpreted, on_input_device, triton_available, triton_interpret_mode
 
 if triton is not None:
     from .fake_quant import _bf16_to_fp32
@@ -135,8 +135,12 @@ def _check_runnable(*tensors: torch.Tensor) -> None:
     if not triton_available():
         raise HcMixError("the mHC mix kernels need the triton package, which is not installed")
     device = tensors[0].device
-    if device.type != "cuda" and not triton_interpret_mode():
-        raise HcMixError(f"the mHC mix kernels need CUDA tensors (got {device.type}) or TRITON_INTERPRET=1")
+    # the kernels were defined interpreted (TRITON_INTERPRET=1 at import) and still run so
+    if device.type != "cuda" and not (kernel_interpreted(_hc_pre_kernel) and triton_interpret_mode()):
+        raise HcMixError(
+            f"the mHC mix kernels need CUDA tensors (got {device.type}) or Triton's interpreter "
+            "(TRITON_INTERPRET=1 before this module is imported)"
+        )
     for t in tensors[1:]:
         if t.device != device:
             raise HcMixError(f"all tensors must be on {device}, got one on {t.device}")

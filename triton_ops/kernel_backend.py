@@ -37,6 +37,12 @@ def triton_interpret_mode() -> bool:
         return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+def kernel_interpreted(kernel) -> bool:
+    """Whether `kernel` (a ``triton.jit`` function) runs in Triton's CPU interpreter: decided when
+    it was *defined*, by ``TRITON_INTERPRET`` at that time, whatever the variable says now."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
 def resolve_backend(
     backend: str | None, device: torch.device, *, env_var: str, error: type[Exception], what: str
 ) -> str:

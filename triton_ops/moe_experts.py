@@ -82,7 +82,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
 
-from .kernel_backend import on_input_device
+from .kernel_backend import kernel_interpreted, on_input_device
 from .kernel_backend import resolve_backend as _resolve_backend
 
 __all__ = [
@@ -652,7 +652,7 @@ if triton is not None:
 
 def _kernels_interpreted() -> bool:
     # triton.jit picks the interpreter when the kernel is *defined* (TRITON_INTERPRET at import)
-    return triton is not None and type(_moe_expert_gemm_kernel).__name__ == "InterpretedFunction"
+    return triton is not None and kernel_interpreted(_moe_expert_gemm_kernel)
 
 
 def _default_mma() -> str:

@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
 
-from .kernel_backend import on_input_device
+from .kernel_backend import kernel_interpreted, on_input_device
 from .kernel_backend import resolve_backend as _resolve_backend
 from .kernel_backend import triton_interpret_mode
 from .moe_experts import _FORMATS, QUANT_GROUP, ExpertWeightTable
@@ -154,7 +154,7 @@ def use_moe_prefill(x: torch.Tensor, weight_dtype: str, backend: str | None = "a
 
 
 def _kernels_interpreted() -> bool:
-    return triton is not None and type(_dequant_experts_kernel).__name__ == "InterpretedFunction"
+    return triton is not None and kernel_interpreted(_dequant_experts_kernel)
 
 
 def _check_runnable(device: torch.device) -> None:

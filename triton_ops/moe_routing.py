@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernel_backend import on_input_device
+from .kernel_backend import kernel_interpreted, on_input_device
 
 try:  # triton is optional: CPU-only installs use the torch backend
     import triton
@@ -72,7 +72,7 @@ def router_scores(router_logits: torch.Tensor, gate_temp: float = 1.0) -> torch.
 
 def _kernel_is_interpreted() -> bool:
     # triton.jit picks the interpreter when the kernel is *defined* (TRITON_INTERPRET at import)
-    return triton is not None and type(_route_topk_kernel).__name__ == "InterpretedFunction"
+    return triton is not None and kernel_interpreted(_route_topk_kernel)
 
 
 def _check_inputs(router_logits, bias, bias_vl, image_rows, top_k) -> None:

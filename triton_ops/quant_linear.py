@@ -58,7 +58,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
-from .kernel_backend import on_input_device, resolve_backend, triton_available, triton_interpret_mode
+from .kernel_backend import kernel_interpreted, on_input_device, resolve_backend, triton_available, triton_interpret_mode
 
 ENV_BACKEND = "DEEPSEEK_V41_QUANT_LINEAR_BACKEND"
 # Rows (tokens) up to which DeepseekV41Linear uses the kernel: one 16-row MMA tile. Beyond that the
@@ -125,7 +125,7 @@ def use_quant_linear_kernel(x: torch.Tensor, backend: str | None = "auto") -> bo
 
 def _kernel_is_interpreted() -> bool:
     # triton.jit picks the interpreter when the kernel is *defined* (TRITON_INTERPRET at import)
-    return triton is not None and type(_quant_linear_kernel).__name__ == "InterpretedFunction"
+    return triton is not None and kernel_interpreted(_quant_linear_kernel)
 
 
 if triton is not None:

@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
-from .kernel_backend import on_input_device, triton_available, triton_interpret_mode
+from .kernel_backend import kernel_interpreted, on_input_device, triton_available, triton_interpret_mode
 
 if triton is not None:
     from .fake_quant import _bf16_to_fp32
@@ -61,7 +61,7 @@ if triton is not None:
 
 def _kernel_is_interpreted() -> bool:
     # triton.jit picks the interpreter when the kernel is *defined* (TRITON_INTERPRET at import)
-    return triton is not None and type(_swiglu_kernel).__name__ == "InterpretedFunction"
+    return triton is not None and kernel_interpreted(_swiglu_kernel)
 
 
 @on_input_device
