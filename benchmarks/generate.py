@@ -145,6 +145,7 @@ def forward_loop_ms(model, inputs, steps: int, device) -> float:
     """ms per decode step of the model's own forward on one cache (greedy, no generate)."""
     DecodeLoop(model, inputs).steps(steps)  # warm-up: graph captures on a cache of its own
     loop = DecodeLoop(model, inputs)
+    loop.steps(1)  # as generate's figure, T(steps) - T(1): the first step after the prefill is not timed
     sync(device)
     start = time.perf_counter()
     loop.steps(steps)
@@ -178,7 +179,7 @@ def kernel_table(prof, per: int, title: str, wall_s: float, top: int = 25) -> li
     return out
 
 
-def profile_steps(model, inputs, device, steps: int = 8) -> list[str]:
+def profile_steps(model, inputs, device, what: str, steps: int = 8) -> list[str]:
     """GPU kernel time per decode step (the model's forward on one cache) and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -199,7 +200,7 @@ def profile_steps(model, inputs, device, steps: int = 8) -> list[str]:
         loop.steps(steps)
         sync(device)
     wall = (time.perf_counter() - start) / steps
-    return [pace, ""] + kernel_table(prof, steps, "profiled decode step (image prompt, batch 1)", wall)
+    return [pace, ""] + kernel_table(prof, steps, f"profiled decode step ({what})", wall)
 
 
 @torch.no_grad()
@@ -294,10 +295,12 @@ def main(argv=None) -> int:
                         help="decode_layer_runs=True: one CUDA graph per run of layers instead of one per layer")
     parser.add_argument("--profile", action="store_true",
                         help="also profile decode steps of the image case: GPU kernel time per step, top kernels")
+    parser.add_argument("--profile-distinct", type=int, metavar="B",
+                        help="also profile decode steps of B distinct text prompts (GPU kernel time per step)")
     parser.add_argument("--host-profile", action="store_true",
                         help="also cProfile the host side of decode steps of the image case (stderr)")
     args = parser.parse_args(argv)
-    if args.profile and args.device == "cpu":
+    if (args.profile or args.profile_distinct) and args.device == "cpu":
         parser.error("--profile reads CUDA kernel times: it needs a CUDA device")
     if args.steps < 2:
         parser.error("--steps must be at least 2 (decode time is T(steps) - T(1))")
@@ -334,7 +337,8 @@ def main(argv=None) -> int:
         row("image chat prompt", chat_inputs(processor, [(TEXT, [photo])], device), loop=True)
     if args.profile:
         try:
-            lines += ["", *profile_steps(model, chat_inputs(processor, [(TEXT, [photo])], device), device), ""]
+            lines += ["", *profile_steps(model, chat_inputs(processor, [(TEXT, [photo])], device), device,
+                                         "image prompt, batch 1"), ""]
         except Exception as exc:  # a profiler failure must not cost the measured rows
             lines += ["", f"- profile failed: {type(exc).__name__}: {exc}", ""]
         print("\n".join(lines[-30:]), flush=True)
@@ -358,6 +362,10 @@ def main(argv=None) -> int:
             inputs = chat_inputs(processor, [(f"Say {n} in words.", []) for n in range(100, 100 + b)], device)
             padded = bool((inputs["attention_mask"] == 0).any())
             row("distinct text prompts" + (" (padded)" if padded else ""), inputs)
+    if args.profile_distinct:
+        inputs = chat_inputs(processor, [(f"Say {n} in words.", []) for n in range(100, 100 + args.profile_distinct)], device)
+        lines += ["", *profile_steps(model, inputs, device, f"distinct text prompts, batch {args.profile_distinct}"), ""]
+        print("\n".join(lines[-30:]), flush=True)
     if "padded" in args.cases:
         for b in PADDED_BATCHES if not args.quick else [2]:
             prompts = [(TEXT + " Please." * (i % 5), [photo] if i % 2 == 0 else []) for i in range(b)]

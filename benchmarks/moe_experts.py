@@ -127,7 +127,7 @@ def graph_ms(fn_list, device) -> float:
     return statistics.median(times[3:]) / len(fn_list)
 
 
-def bench_tokens(moe, n_tokens: int, device, sweep: bool) -> list[str]:
+def bench_tokens(moe, n_tokens: int, device, sweep: bool, split_sweep: bool = False) -> list[str]:
     lines = [f"\n## T = {n_tokens} (P = {n_tokens * moe.gate.top_k} pairs)\n"]
     x, weights, indices = routing(moe, n_tokens, seed=n_tokens, device=device)
     n_distinct = int(indices.unique().numel())
@@ -148,17 +148,20 @@ def bench_tokens(moe, n_tokens: int, device, sweep: bool) -> list[str]:
             apply_numerics(moe, plan)
         routes = disjoint_routes(moe, n_tokens, GRAPH_CALLS, device)
         graph_bytes = sum(expert_bytes(moe, int(ids.unique().numel())) for ids, _ in routes) / len(routes)
-        for mma in ("scaled", "manual"):
+        variants = [("scaled", "scaled", {}), ("manual, portable decode", "manual", {"ptx_decode": False}),
+                    ("manual, PTX decode", "manual", {"ptx_decode": True})]
+        for name, mma, cfg in variants:
             try:
-                out = kernels.moe_experts_triton(x, weights, indices, table, mma=mma)
-                eager = triton.testing.do_bench(lambda: kernels.moe_experts_triton(x, weights, indices, table, mma=mma), rep=200)
-                rows.append([f"kernels ({mma}), eager", eager, nbytes / eager / 1e6, compare(out, ref)])
-                fns = [lambda i=i, w=w: kernels.moe_experts_triton(x, w, i, table, mma=mma) for i, w in routes]
+                out = kernels.moe_experts_triton(x, weights, indices, table, mma=mma, config=cfg)
+                eager = triton.testing.do_bench(
+                    lambda: kernels.moe_experts_triton(x, weights, indices, table, mma=mma, config=cfg), rep=200)
+                rows.append([f"kernels ({name}), eager", eager, nbytes / eager / 1e6, compare(out, ref)])
+                fns = [lambda i=i, w=w: kernels.moe_experts_triton(x, w, i, table, mma=mma, config=cfg) for i, w in routes]
                 replay = graph_ms(fns, device)
-                rows.append([f"kernels ({mma}), CUDA graph, {GRAPH_CALLS} disjoint expert sets", replay,
+                rows.append([f"kernels ({name}), CUDA graph, {GRAPH_CALLS} disjoint expert sets", replay,
                              graph_bytes / replay / 1e6, "-"])
             except Exception as exc:  # noqa: BLE001 - report and go on
-                rows.append([f"kernels ({mma})", "failed", "-", f"{type(exc).__name__}: {str(exc)[:200]}"])
+                rows.append([f"kernels ({name})", "failed", "-", f"{type(exc).__name__}: {str(exc)[:200]}"])
     lines.append("| routed experts | ms | GB/s | vs grouped path |\n|---|---|---|---|")
     for name, ms, gbs, note in rows:
         ms_s = f"{ms:.4f}" if isinstance(ms, float) else ms
@@ -175,6 +178,22 @@ def bench_tokens(moe, n_tokens: int, device, sweep: bool) -> list[str]:
             times[backend] = triton.testing.do_bench(lambda: moe(xs), warmup=3, rep=200)
         apply_numerics(moe, plan)
     lines.append(f"\nwhole MoE forward, eager: kernel path {times['triton']:.3f} ms, grouped path {times['torch']:.3f} ms")
+
+    if split_sweep:
+        # split-K of each launch, default tiling, from a CUDA graph over disjoint expert sets
+        lines.append("\n| splits (gate_up, down) | ms, CUDA graph | GB/s |\n|---|---|---|")
+        timed = []
+        for gu, dn in itertools.product((1, 2, 4, 5, 8), (1, 2, 3, 6)):
+            cfg = {"splits": {"gate_up": gu, "down": dn}}
+            try:
+                with torch.inference_mode():
+                    fns = [lambda i=i, w=w, cfg=cfg: kernels.moe_experts_triton(x, w, i, table, config=cfg)
+                           for i, w in routes]
+                    timed.append((graph_ms(fns, device), gu, dn))
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                lines.append(f"| ({gu}, {dn}) | failed: {type(exc).__name__}: {str(exc)[:120]} | |")
+        for ms, gu, dn in sorted(timed):
+            lines.append(f"| ({gu}, {dn}) | {ms:.4f} | {graph_bytes / ms / 1e6:.0f} |")
 
     if sweep:
         lines.append("\n| gate_up (BN, BK, warps, stages) | down (BN, BK, warps, stages) | ms eager | GB/s |\n|---|---|---|---|")
@@ -207,6 +226,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--sweep", action="store_true", help="also time other tilings")
+    parser.add_argument("--split-sweep", action="store_true", help="also time split-K counts of both launches")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -221,7 +241,7 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     moe = build_moe(device)
     for n_tokens in args.tokens:
-        section = bench_tokens(moe, n_tokens, device, args.sweep)
+        section = bench_tokens(moe, n_tokens, device, args.sweep, args.split_sweep)
         print("\n".join(section), flush=True)
         lines += section
         if args.out:  # rewritten after every section: a run cut short keeps what it measured

@@ -84,7 +84,7 @@ from .cache_deepseek_v41_vl import DeepseekV41AttentionCache
 from .compressor_deepseek_v41_vl import compressor_for_layer
 from .exceptions_deepseek_v41_vl import DeepseekV41AttentionError
 from .indexer_deepseek_v41_vl import DeepseekV41Indexer
-from .layers_deepseek_v41_vl import DeepseekV41RMSNorm
+from .layers_deepseek_v41_vl import DeepseekV41RMSNorm, needs_grad
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, plan_for
 from .quantization_deepseek_v41_vl import DeepseekV41Linear, fake_quant_fp4, fake_quant_fp8
 from .rope_deepseek_v41_vl import DeepseekV41RotaryEmbedding, apply_rotary
@@ -350,7 +350,8 @@ class DeepseekV41Attention(nn.Module):
 
     def queries(self, qr: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """``wq_b`` and RoPE of the last `rope_dim` dims: qr ``[B, n, q_lora]`` -> bf16 ``[B, n, H, D]``."""
-        return apply_rotary(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), freqs)
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        return apply_rotary(q, freqs, inplace=not needs_grad(q))
 
     def _sparse(self, q: torch.Tensor, kv: torch.Tensor, idxs: torch.Tensor) -> torch.Tensor:
         # exact numerics: the torch fallback, in the reference's op sequence and shapes (chunk None)
@@ -367,7 +368,7 @@ class DeepseekV41Attention(nn.Module):
         """Inverse RoPE, the grouped ``wo_a`` (bf16 einsum) and ``wo_b``: o bf16 ``[B, n, H, D]`` ->
         bf16 ``[B, n, dim]``."""
         bsz, n_rows = o.shape[:2]
-        o = apply_rotary(o, freqs, inverse=True)
+        o = apply_rotary(o, freqs, inverse=True, inplace=not needs_grad(o))
         # heads g*H/G .. (g+1)*H/G-1 form group g; each group has its own o_lora_rank slice of wo_a
         o = o.view(bsz, n_rows, self.n_groups, -1)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)

@@ -123,13 +123,17 @@ class DeepseekV41RotaryEmbedding(nn.Module):
         return table.view(*positions.shape, self.rope_dim // 2)
 
 
-def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Rotate the last ``2 * freqs_cis.size(-1)`` dims of x; returns a new tensor of x's dtype.
+def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False, inplace: bool = False) -> torch.Tensor:
+    """Rotate the last ``2 * freqs_cis.size(-1)`` dims of x; returns a new tensor of x's dtype, or x
+    itself with `inplace`.
 
     Args:
         x: ``[B, S, D]`` or ``[B, S, H, D]``.
         freqs_cis: complex64 ``[S, rd/2]`` (shared by the batch) or ``[B, S, rd/2]``.
         inverse: rotate by the conjugate (removes the rotation; used on the attention output).
+        inplace: write the rotated dims into x instead of concatenating a copy (for a fresh x that
+            autograd does not record: a 16K-row query is 1 GiB, and the copy cost more than the
+            rotation).
 
     Mirrors `inference/model.py: apply_rotary_emb` (fp32 complex product, rounded to x.dtype).
 
@@ -152,6 +156,9 @@ def apply_rotary(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False
         freqs_cis = freqs_cis.unsqueeze(2)
     pairs = torch.view_as_complex(x[..., -rd:].float().unflatten(-1, (-1, 2)))
     rotated = torch.view_as_real(pairs * freqs_cis).flatten(-2).to(x.dtype)
+    if inplace:
+        x[..., -rd:] = rotated
+        return x
     return torch.cat([x[..., :-rd], rotated], dim=-1)
 
 

@@ -38,12 +38,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+try:  # the GPU machine has Triton; CPU-only installs skip this file
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA)"),
 ]
 
 import deepseek_v41_vl.triton_ops.moe_routing as moe_routing  # noqa: E402
+from deepseek_v41_vl.triton_ops import dequant as _dequant  # noqa: E402
 import deepseek_v41_vl.triton_ops.vision_rope as vision_rope  # noqa: E402
 from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState  # noqa: E402
 from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache  # noqa: E402
@@ -698,6 +705,56 @@ def test_quant_linear_kernel_matches_fallback(kind, rows, n, k, one_per_row):
     assert ((ref.float() - exact.float()).abs() <= bound).all()
     # routed through the module: the kernel for decode rows
     assert torch.equal(linear(x), ours)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fp4_ptx_decode_probe(w_ptr, s_ptr, out_ptr, COLS: tl.constexpr):
+        # one row of packed bytes through the routed-expert kernel's decode, values stored interleaved
+        row = tl.program_id(0)
+        j = tl.arange(0, COLS // 2)
+        packed = tl.load(w_ptr + row * (COLS // 2) + j)
+        scale = _dequant.e8m0_to_bf16(tl.load(s_ptr + row * (COLS // 32) + j // 16).to(tl.int32))
+        lo, hi = _dequant.fp4_pairs_to_bf16_ptx(packed, scale)
+        tl.store(out_ptr + row * COLS + 2 * j, lo)
+        tl.store(out_ptr + row * COLS + 2 * j + 1, hi)
+
+
+    @triton.jit
+    def _e4m3_ptx_decode_probe(w_ptr, out_ptr, N: tl.constexpr):
+        j = tl.arange(0, N)
+        tl.store(out_ptr + j, _dequant.e4m3_to_bf16_ptx(tl.load(w_ptr + j)))
+
+
+def test_e4m3_ptx_decode_equals_torch_for_every_byte():
+    """`dequant.e4m3_to_bf16_ptx` (the quantized linear's fp8 weight decode on the GPU): every
+    e4m3 byte but the two NaNs gives torch's bf16 value, sign of zero included."""
+    raw = torch.arange(256, dtype=torch.uint8, device=CUDA)
+    out = torch.empty(256, dtype=torch.bfloat16, device=CUDA)
+    _e4m3_ptx_decode_probe[(1,)](raw, out, N=256)
+    ref = raw.view(torch.float8_e4m3fn).to(torch.bfloat16)
+    finite = ~ref.isnan()
+    assert int(finite.sum()) == 254
+    assert torch.equal(out.view(torch.int16)[finite], ref.view(torch.int16)[finite])
+
+
+def test_fp4_ptx_decode_equals_dequantize_fp4_weight_for_every_byte_and_scale():
+    """`dequant.fp4_pairs_to_bf16_ptx` (the routed-expert kernel's fp4 decode on the GPU) on all 256
+    packed bytes under all 256 e8m0 scales (subnormal 2^-127, overflow to inf, NaN included): bit
+    for bit `dequantize_fp4_weight`, NaN wherever it gives NaN."""
+    from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import dequantize_fp4_weight
+
+    cols = 512  # 256 packed bytes per row, 16 scale groups
+    weight = torch.arange(256, dtype=torch.uint8, device=CUDA).repeat(256, 1)  # [256 scales, 256 bytes]
+    weight = weight.view(torch.float4_e2m1fn_x2)
+    scale = torch.arange(256, dtype=torch.uint8, device=CUDA)[:, None].repeat(1, cols // 32).view(torch.float8_e8m0fnu)
+    out = torch.empty(256, cols, dtype=torch.bfloat16, device=CUDA)
+    _fp4_ptx_decode_probe[(256,)](weight.view(torch.uint8), scale.view(torch.uint8), out, COLS=cols)
+    ref = dequantize_fp4_weight(weight, scale)
+    nan = ref.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
 
 
 @pytest.mark.parametrize("kind", ["fp4", "bf16"])

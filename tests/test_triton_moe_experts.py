@@ -34,11 +34,12 @@ HIDDEN, INTER, N_EXPERTS = 64, 32, 8
 BF16_ULP = 2.0**-8
 
 
-def _tiny_moe(fmt: str, limit: float, top_k: int = 2, n_experts: int = N_EXPERTS, seed: int = 0) -> DeepseekV41MoE:
+def _tiny_moe(fmt: str, limit: float, top_k: int = 2, n_experts: int = N_EXPERTS, seed: int = 0,
+              inter: int = INTER) -> DeepseekV41MoE:
     """A MoE with random weights in its storage, written through uint8 views as
     `benchmarks/bench.py: _init_layer` does (fp4 random codes, e8m0 scales ~ fan_in^-0.5)."""
     cfg = DeepseekV41TextConfig(
-        hidden_size=HIDDEN, moe_intermediate_size=INTER, n_routed_experts=n_experts, num_experts_per_tok=top_k,
+        hidden_size=HIDDEN, moe_intermediate_size=inter, n_routed_experts=n_experts, num_experts_per_tok=top_k,
         swiglu_limit=limit, numerics="fast", expert_weight_dtype=fmt, weight_dtype="bf16" if fmt == "bf16" else "fp8",
     )
     moe = DeepseekV41MoE(cfg, 0).eval()
@@ -123,6 +124,36 @@ def test_routed_sum_top4_many_pairs_per_expert_in_chunks():
         out = moe_experts.moe_experts_triton(x, weights, indices, table, config={"block_m": 4})
     assert out.dtype == torch.float32
     _assert_close_to_module_math(out, ref)
+
+
+class _LaunchCount:
+    """Counts the launches of a Triton kernel (``kernel[grid](...)``)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "bf16"])
+def test_split_k_matches_module_math(fmt, monkeypatch):
+    # split-K (decode calls with few pairs): each launch sums its share of the K blocks into fp32
+    # partials; the finishing gate-up launch and the combine add the splits in order
+    finish = _LaunchCount(moe_experts._gate_up_finish_kernel)
+    monkeypatch.setattr(moe_experts, "_gate_up_finish_kernel", finish)
+    moe = _tiny_moe(fmt, 1.0, seed=8, inter=2 * INTER)
+    x = _inputs(3, seed=9).reshape(-1, HIDDEN)
+    with torch.inference_mode():
+        weights, indices = moe.gate(x)
+        ref = moe._routed_grouped(x, weights, indices)
+        table = moe.expert_tables.get(moe.experts)
+        # K = 64 / 64 in blocks of 32: two splits each; more splits than K blocks are capped
+        for splits in ({"gate_up": 2, "down": 2}, {"gate_up": 2, "down": 1}, {"gate_up": 1, "down": 5}):
+            out = moe_experts.moe_experts_triton(x, weights, indices, table, config={"splits": splits})
+            _assert_close_to_module_math(out, ref)
+    assert finish.launches == 2  # the gate-up launch was split where asked
 
 
 def test_torch_fallback_is_the_grouped_path():
@@ -294,6 +325,12 @@ def test_bad_input_raises(monkeypatch):
         run(x, w, ids, table, config={"block_m": 12})
     with pytest.raises(MoEExpertsError, match="multiple of 32"):
         run(x, w, ids, table, config={"gate_up": (16, 32, 1, 1)})
+    with pytest.raises(MoEExpertsError, match="splits"):
+        run(x, w, ids, table, config={"splits": {"gate_up": 0, "down": 1}})
+    with pytest.raises(MoEExpertsError, match="splits"):
+        run(x, w, ids, table, config={"splits": {"gate_up": 2}})
+    with pytest.raises(MoEExpertsError, match="ptx_decode"):
+        run(x, w, ids, table, mma="manual", config={"ptx_decode": True})
     monkeypatch.setenv(moe_experts.ENV_MMA, "wgmma")
     with pytest.raises(MoEExpertsError, match=moe_experts.ENV_MMA):
         run(x, w, ids, table)

@@ -111,6 +111,102 @@ if triton is not None:
         return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
+    def e8m0_to_bf16(sb):
+        """e8m0 bytes (int32) -> bf16 ``2^(b-127)`` (the exponent field is b; b = 0 is the
+        subnormal 2^-127, 255 is NaN). bf16 has fp32's exponent range, so every scale is exact."""
+        bits = tl.where(sb == 0, 0x0040, tl.where(sb == 255, 0x7FFF, sb << 7))
+        return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+    # Four packed E2M1 bytes ($4) and their four bf16 scales ($5, $6: two per register) -> the
+    # even (low-nibble) values ($0, $1) and the odd (high-nibble) values ($2, $3), two bf16 per
+    # register, element 0 in the low half. Each nibble's three magnitude bits go to bf16 bits 6..8
+    # and its sign to bit 15: that bf16 is the E2M1 value times 2^-126 (code 1, 0.5, lands on the
+    # subnormal 2^-127). Multiplying by 2^126 and then by the scale is exact in bf16 (an E2M1 value
+    # has two significant bits; bf16 subnormals reach 2^-133), so the result equals
+    # bf16(value * scale) computed in fp32. fma with -0.0 (an exact multiply that keeps the sign
+    # of zero) runs on sm_80; mul.bf16x2 would need sm_90. Inputs are copied first because an
+    # output may share a register with an input.
+    _FP4_PTX = tl.constexpr("""
+    {
+    .reg .b32 x01, x23, sa, sb, z, m, s, t0, t1, t2, t3, bias, nz;
+    mov.b32 sa, $5;
+    mov.b32 sb, $6;
+    mov.b32 z, 0;
+    mov.b32 bias, 0x7E807E80;
+    mov.b32 nz, 0x80008000;
+    prmt.b32 x01, $4, z, 0x4140;
+    prmt.b32 x23, $4, z, 0x4342;
+    shl.b32 m, x01, 6;
+    shl.b32 s, x01, 12;
+    or.b32 t0, m, s;
+    and.b32 t0, t0, 0x81C081C0;
+    shl.b32 m, x23, 6;
+    shl.b32 s, x23, 12;
+    or.b32 t1, m, s;
+    and.b32 t1, t1, 0x81C081C0;
+    shl.b32 m, x01, 2;
+    and.b32 m, m, 0x01C001C0;
+    shl.b32 s, x01, 8;
+    and.b32 s, s, 0x80008000;
+    or.b32 t2, m, s;
+    shl.b32 m, x23, 2;
+    and.b32 m, m, 0x01C001C0;
+    shl.b32 s, x23, 8;
+    and.b32 s, s, 0x80008000;
+    or.b32 t3, m, s;
+    fma.rn.bf16x2 t0, t0, bias, nz;
+    fma.rn.bf16x2 t1, t1, bias, nz;
+    fma.rn.bf16x2 t2, t2, bias, nz;
+    fma.rn.bf16x2 t3, t3, bias, nz;
+    fma.rn.bf16x2 $0, t0, sa, nz;
+    fma.rn.bf16x2 $1, t1, sb, nz;
+    fma.rn.bf16x2 $2, t2, sa, nz;
+    fma.rn.bf16x2 $3, t3, sb, nz;
+    }
+    """)
+
+    @triton.jit
+    def fp4_pairs_to_bf16_ptx(packed, scale):
+        """Packed E2M1 bytes `packed` (uint8, the even element in the low nibble) and a bf16 scale
+        per byte `scale` (broadcast to packed's shape) -> (even, odd) bf16 values, each of packed's
+        shape, equal to `dequantize_fp4_weight`'s values (NaN payloads aside). Integer and bf16x2
+        instructions only (inline PTX, sm_80+): the fp16 -> fp32 -> bf16 conversions of the
+        portable decode run at a quarter of the integer rate and bounded the decode GEMV. GPU only:
+        the interpreter cannot run PTX."""
+        return tl.inline_asm_elementwise(
+            _FP4_PTX, "=r,=r,=r,=r,r,r,r", [packed, scale],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+        )
+
+    # Four e4m3 bytes ($2) -> their bf16 values ($0, $1: two per register, element 0 in the low
+    # half). Each byte's seven exponent / mantissa bits go to bf16 bits 4..10 and its sign to bit
+    # 15: that bf16 is the e4m3 value times 2^-120 (e4m3 subnormals land on bf16 subnormals), and
+    # one exact multiply by 2^120 restores it. NaN bytes (0x7F, 0xFF) come out finite. Replaces
+    # Triton's e4m3 -> fp16 -> bf16 conversion, whose fp16 -> bf16 step runs at a quarter of the
+    # integer rate. As `_FP4_PTX`: fma with -0.0, inputs copied first.
+    _E4M3_PTX = tl.constexpr("""
+    {
+    .reg .b32 x01, z, m, s, bias, nz;
+    mov.b32 z, 0;
+    mov.b32 bias, 0x7B807B80;
+    mov.b32 nz, 0x80008000;
+    prmt.b32 x01, $1, z, 0x4140;
+    shl.b32 m, x01, 4;
+    and.b32 m, m, 0x07F007F0;
+    shl.b32 s, x01, 8;
+    and.b32 s, s, 0x80008000;
+    or.b32 m, m, s;
+    fma.rn.bf16x2 $0, m, bias, nz;
+    }
+    """)
+
+    @triton.jit
+    def e4m3_to_bf16_ptx(raw):
+        """e4m3 bytes `raw` (uint8, any shape) -> their bf16 values (exact; NaN bytes unspecified).
+        Integer and bf16x2 instructions only (inline PTX, sm_80+); GPU only."""
+        return tl.inline_asm_elementwise(_E4M3_PTX, "=r,r", [raw], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+    @triton.jit
     def fp4_tile_to_bf16(u, sb, ROWS: tl.constexpr, GROUPS: tl.constexpr):
         """Packed E2M1 bytes `u` (int32 ``[ROWS, GROUPS, 16]``, the even element in the low nibble)
         and their e8m0 scale bytes `sb` (int32 ``[ROWS, GROUPS]``) -> bf16 ``[ROWS, GROUPS, 32]``,

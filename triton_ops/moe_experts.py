@@ -374,6 +374,7 @@ def moe_experts_torch(x: torch.Tensor, weights: torch.Tensor, indices: torch.Ten
 # Triton kernels
 # ---------------------------------------------------------------------------------------------
 if triton is not None:
+    from .dequant import e8m0_to_bf16, fp4_pairs_to_bf16_ptx
 
     @triton.jit
     def _round_bf16(v):
@@ -429,7 +430,7 @@ if triton is not None:
         return half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
 
     @triton.jit
-    def _load_weight_tile(w_row_ptrs, s_row_ptrs, k0, FMT: tl.constexpr, MANUAL: tl.constexpr,
+    def _load_weight_tile(w_row_ptrs, s_row_ptrs, k0, FMT: tl.constexpr, MANUAL: tl.constexpr, PTX: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # One weight tile for the K step starting at k0.
         # FMT 0 (bf16): (w [BLOCK_N, BLOCK_K] bf16, same)
@@ -446,7 +447,12 @@ if triton is not None:
         elif FMT == 1:
             packed = tl.load(w_row_ptrs + k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :])
             sc = tl.load(s_row_ptrs + k0 // 32 + g[None, :])
-            if MANUAL:
+            if MANUAL and PTX:
+                s = e8m0_to_bf16(sc.to(tl.int32))[:, :, None]
+                lo, hi = fp4_pairs_to_bf16_ptx(tl.reshape(packed, (BLOCK_N, NG, 16)), s)
+                wa = tl.reshape(lo, (BLOCK_N, BLOCK_K // 2))
+                wb = tl.reshape(hi, (BLOCK_N, BLOCK_K // 2))
+            elif MANUAL:
                 b = packed.to(tl.int32)
                 s = _e8m0_to_f32(sc)[:, :, None]
                 lo = tl.reshape(tl.reshape(_fp4_to_f32(b & 15), (BLOCK_N, NG, 16)) * s, (BLOCK_N, BLOCK_K // 2))
@@ -538,7 +544,7 @@ if triton is not None:
         w_base,  # weight base: uint8 (fp4 / fp8) or bf16
         s_base,  # uint8 scale base (unused for bf16)
         offs_ptr,  # int64 [E, 6] offsets from the bases
-        out_ptr,  # bf16 [P, N]
+        out_ptr,  # bf16 [P, N]; with SPLITS > 1 fp32 partial sums [SPLITS, P, 2 (gate-up) or 1, N]
         n_pairs,
         n_experts,
         N,
@@ -554,13 +560,16 @@ if triton is not None:
         HAS_LIMIT: tl.constexpr,
         ALIGNED: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
+        PTX_DECODE: tl.constexpr,
         BLOCK_P: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        SPLITS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         n_blk = tl.program_id(1)
+        split = tl.program_id(2)
         # this program's expert and all pairs routed to it; only the expert's first pair's
         # programs work, the others leave (n_members = 0)
         pairs = tl.arange(0, BLOCK_P)
@@ -607,35 +616,73 @@ if triton is not None:
                 row_off = pair.to(tl.int64) * stride_a
             acc_a = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             acc_b = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            # split-K: this program's share of the K blocks (all of them without splits)
+            k_blocks = K // BLOCK_K
+            for k0 in range((split * k_blocks // SPLITS) * BLOCK_K, ((split + 1) * k_blocks // SPLITS) * BLOCK_K, BLOCK_K):
                 xa_t, xb_t = _load_act_t(a_ptr, row_off, valid, k0, FMT == 1 and MANUAL, BLOCK_M, BLOCK_K)
-                w0, w1 = _load_weight_tile(wa_rows, sa_rows, k0, FMT, MANUAL, BLOCK_N, BLOCK_K)
+                w0, w1 = _load_weight_tile(wa_rows, sa_rows, k0, FMT, MANUAL, PTX_DECODE, BLOCK_N, BLOCK_K)
                 acc_a = _weight_dot(acc_a, w0, w1, xa_t, xb_t, FMT, MANUAL, UPCAST_DOT, BLOCK_K)
                 if GATE_UP:
-                    w0, w1 = _load_weight_tile(wb_rows, sb_rows, k0, FMT, MANUAL, BLOCK_N, BLOCK_K)
+                    w0, w1 = _load_weight_tile(wb_rows, sb_rows, k0, FMT, MANUAL, PTX_DECODE, BLOCK_N, BLOCK_K)
                     acc_b = _weight_dot(acc_b, w0, w1, xa_t, xb_t, FMT, MANUAL, UPCAST_DOT, BLOCK_K)
-            if GATE_UP:
-                gate = _round_bf16(acc_a)  # the linears' bf16 outputs, then .float()
-                up = _round_bf16(acc_b)
-                if HAS_LIMIT:
-                    up = tl.minimum(tl.maximum(up, -limit), limit)
-                    gate = tl.minimum(gate, limit)
-                act = tl.div_rn(gate, 1.0 + tl.exp(-gate)) * up  # silu(g) * u, as torch
-                rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
-                res = tl.trans(_round_bf16(rw[None, :] * act))  # h: [BLOCK_M, BLOCK_N]
-                if FMT != 0:
-                    # the down projection's input quantization, done here: a 32-group of h
-                    # lies inside this program's columns (BLOCK_N is a multiple of 32)
-                    res = _fake_quant_e4m3(res, _group_amax(res, BLOCK_M, BLOCK_N, 32), BLOCK_M, BLOCK_N, 32)
+            store_ok = valid[:, None] & (rows_n < N)[None, :]
+            if SPLITS > 1:
+                # fp32 partial sums; the finishing launch adds the splits in order
+                parts: tl.constexpr = 2 if GATE_UP else 1
+                part_ptrs = out_ptr + ((split * n_pairs + pair.to(tl.int64)) * parts)[:, None] * N + rows_n[None, :]
+                tl.store(part_ptrs, tl.trans(acc_a), mask=store_ok)
+                if GATE_UP:
+                    tl.store(part_ptrs + N, tl.trans(acc_b), mask=store_ok)
             else:
-                res = tl.trans(_round_bf16(acc_a))
-            out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * N + rows_n[None, :]
-            tl.store(out_ptrs, res.to(tl.bfloat16), mask=valid[:, None] & (rows_n < N)[None, :])
+                if GATE_UP:
+                    rw = tl.load(rw_ptr + pair, mask=valid, other=0.0)
+                    res = _gate_up_epilogue(tl.trans(acc_a), tl.trans(acc_b), rw[:, None], limit, FMT, HAS_LIMIT,
+                                            BLOCK_M, BLOCK_N)
+                else:
+                    res = tl.trans(_round_bf16(acc_a))
+                out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * N + rows_n[None, :]
+                tl.store(out_ptrs, res.to(tl.bfloat16), mask=store_ok)
 
     @triton.jit
-    def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, D, TOP_K: tl.constexpr, BLOCK_S: tl.constexpr,
-                            BLOCK_D: tl.constexpr):
-        # out[t] = sum of y[t*k + slot] over the slots in ascending expert id, fp32, from 0
+    def _gate_up_epilogue(acc_g, acc_u, rw, limit, FMT: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                          ROWS: tl.constexpr, COLS: tl.constexpr):
+        # fp32 sums g, u [ROWS pairs, COLS] and routing weights rw [ROWS, 1] -> h (fp32 holding bf16
+        # values), fake-quantized for quantized experts: a 32-group of h lies inside the COLS
+        # columns (a multiple of 32), so the down projection's input quantization is done here
+        gate = _round_bf16(acc_g)  # the linears' bf16 outputs, then .float()
+        up = _round_bf16(acc_u)
+        if HAS_LIMIT:
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            gate = tl.minimum(gate, limit)
+        act = tl.div_rn(gate, 1.0 + tl.exp(-gate)) * up  # silu(g) * u, as torch
+        res = _round_bf16(rw * act)
+        if FMT != 0:
+            res = _fake_quant_e4m3(res, _group_amax(res, ROWS, COLS, 32), ROWS, COLS, 32)
+        return res
+
+    @triton.jit
+    def _gate_up_finish_kernel(part_ptr, rw_ptr, out_ptr, n_pairs, N, limit, FMT: tl.constexpr,
+                               HAS_LIMIT: tl.constexpr, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+        # split-K gate-up: h[p, cols] from the partial sums of g and u, splits added in order
+        p = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = cols < N
+        acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for sp in tl.static_range(SPLITS):
+            row = part_ptr + ((sp * n_pairs + p) * 2) * N + cols
+            acc_g += tl.load(row, mask=ok, other=0.0)
+            acc_u += tl.load(row + N, mask=ok, other=0.0)
+        rw = tl.load(rw_ptr + p)
+        res = _gate_up_epilogue(acc_g[None, :], acc_u[None, :], rw, limit, FMT, HAS_LIMIT, 1, BLOCK_N)
+        tl.store(out_ptr + p * N + cols[None, :], res.to(tl.bfloat16), mask=ok[None, :])
+
+    @triton.jit
+    def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, D, n_pairs, TOP_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                            BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+        # out[t] = sum of y[t*k + slot] over the slots in ascending expert id, fp32, from 0; with
+        # SPLITS > 1 y_ptr holds the down launch's fp32 partials [SPLITS, P, D] and each y is their
+        # sum (splits in order) rounded to bf16, as the unsplit launch stores it
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         col_ok = cols < D
@@ -645,7 +692,13 @@ if triton is not None:
         for _ in tl.static_range(TOP_K):
             lowest = tl.min(ids, axis=0)
             slot = tl.min(tl.where(ids == lowest, slots, BLOCK_S), axis=0)
-            acc += tl.load(y_ptr + (t * TOP_K + slot) * D + cols, mask=col_ok, other=0.0).to(tl.float32)
+            if SPLITS > 1:
+                y = tl.zeros((BLOCK_D,), dtype=tl.float32)
+                for sp in tl.static_range(SPLITS):
+                    y += tl.load(y_ptr + (sp * n_pairs + t * TOP_K + slot) * D + cols, mask=col_ok, other=0.0)
+                acc += _round_bf16(y)
+            else:
+                acc += tl.load(y_ptr + (t * TOP_K + slot) * D + cols, mask=col_ok, other=0.0).to(tl.float32)
             ids = tl.where(slots == slot, 2147483647, ids)
         tl.store(out_ptr + t * D + cols, acc, mask=col_ok)
 
@@ -699,7 +752,8 @@ def moe_experts_triton(
             else ``"scaled"`` where Triton has it. Ignored for bf16 experts.
         config: per launch ``{"gate_up": (BLOCK_N, BLOCK_K, num_warps, num_stages), "down": (...),
             "block_m": 16}`` overrides (benchmarks sweep these); BLOCK_K is halved until it divides K.
-            ``block_m`` (pairs of one expert per MMA, a power of 2) must be >= 16 on the GPU.
+            ``block_m`` (pairs of one expert per MMA, a power of 2) must be >= 16 on the GPU;
+            ``ptx_decode`` (default: on the GPU) picks the inline-PTX fp4 decode for ``"manual"``.
 
     Returns:
         fp32 ``[T, D]``: the sum over each row's k experts, in ascending expert id.
@@ -738,15 +792,22 @@ def moe_experts_triton(
     ids = ids if ids.is_contiguous() else ids.contiguous()
     rw = weights.reshape(-1).contiguous()
     h = torch.empty(n_pairs, inter, dtype=torch.bfloat16, device=x.device)
-    y = torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device)
 
     fmt = _FORMATS[table.fmt]
     defaults = _INTERPRET_CONFIG if interpret else _GPU_CONFIG
-    config = {**defaults, **(config or {})}
+    config = {**defaults, "splits": _default_splits(n_pairs, interpret), **(config or {})}
+    splits = dict(config["splits"])
+    if set(splits) != {"gate_up", "down"} or any(not isinstance(v, int) or v < 1 for v in splits.values()):
+        raise MoEExpertsError(f"splits must map 'gate_up' and 'down' to ints >= 1, got {config['splits']!r}")
     block_m = int(config.get("block_m", 16))
     if block_m < 1 or block_m & (block_m - 1) or (block_m < 16 and not interpret):
         raise MoEExpertsError(f"block_m must be a power of 2 (>= 16 on the GPU), got {block_m}")
     block_p = max(16, triton.next_power_of_2(n_pairs))
+    # fp4-manual on the GPU: the inline-PTX decode (`dequant.fp4_pairs_to_bf16_ptx`); False keeps
+    # the portable integer / float decode the interpreter runs (benchmarks compare the two)
+    ptx_decode = bool(config.get("ptx_decode", not interpret))
+    if ptx_decode and interpret:
+        raise MoEExpertsError("ptx_decode needs the GPU: the Triton interpreter cannot run inline PTX")
     scale_base = table.scale_base if table.scale_base is not None else table.offsets  # dummy, never read
     common = dict(
         TOP_K=top_k,
@@ -755,6 +816,7 @@ def moe_experts_triton(
         HAS_LIMIT=table.swiglu_limit > 0,
         ALIGNED=table.aligned,
         UPCAST_DOT=interpret,
+        PTX_DECODE=ptx_decode,
         BLOCK_P=block_p,
         BLOCK_M=block_m,
     )
@@ -772,12 +834,25 @@ def moe_experts_triton(
             w_row, s_row = k, -(-k // QUANT_GROUP)
         else:
             w_row, s_row = k, 0
-        grid = (n_pairs, triton.cdiv(n, block_n))
+        n_split = min(splits["gate_up" if gate_up else "down"], k // block_k)
+        if n_split > 1:  # fp32 partials, added up by the finishing launch
+            parts = torch.empty(n_split, n_pairs, 2 if gate_up else 1, n, dtype=torch.float32, device=x.device)
+        grid = (n_pairs, triton.cdiv(n, block_n), n_split)
         _moe_expert_gemm_kernel[grid](
-            a, ids, rw, table.weight_base, scale_base, table.offsets, out_t,
+            a, ids, rw, table.weight_base, scale_base, table.offsets, out_t if n_split == 1 else parts,
             n_pairs, table.n_experts, n, k, a.stride(0), w_row, s_row, float(table.swiglu_limit),
-            GATE_UP=gate_up, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **common,
+            GATE_UP=gate_up, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=n_split, num_warps=warps,
+            num_stages=stages, **common,
         )
+        if n_split == 1:
+            return out_t, 1
+        if not gate_up:
+            return parts, n_split  # the combine launch adds the splits
+        _gate_up_finish_kernel[(n_pairs, triton.cdiv(n, block_n))](
+            parts, rw, out_t, n_pairs, n, float(table.swiglu_limit), FMT=fmt, HAS_LIMIT=table.swiglu_limit > 0,
+            SPLITS=n_split, BLOCK_N=block_n, num_warps=4,
+        )
+        return out_t, 1
 
     if fmt != 0:  # the gate-up input quantization, once per token row
         xq = torch.empty(n_tokens, d, dtype=torch.bfloat16, device=x.device)
@@ -787,17 +862,29 @@ def moe_experts_triton(
         )
         x = xq
     launch(True, x, inter, d, h)
-    launch(False, h, d, inter, y)
-    return _combine(y, ids, n_tokens, top_k, out)
+    y, y_splits = launch(False, h, d, inter, torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device))
+    return _combine(y, ids, n_tokens, top_k, out, y_splits)
+
+
+def _default_splits(n_pairs: int, interpret: bool) -> dict:
+    # split-K of each launch (the K blocks shared out among more programs). Measured on an H200
+    # (benchmarks/moe_experts.py --split-sweep, CUDA graphs, release width, fp4): 6 pairs 0.124 ->
+    # 0.101 ms at (4, 2); 48 pairs 0.892 -> 0.880 at (2, 1); 384 pairs 6.67 -> 5.68 at (2, 1)
+    if interpret:
+        return {"gate_up": 1, "down": 1}
+    if n_pairs <= 16:
+        return {"gate_up": 4, "down": 2}
+    return {"gate_up": 2, "down": 1}
 
 
 @on_input_device
-def _combine(y, ids, n_tokens, top_k, out):
-    d = y.size(1)
+def _combine(y, ids, n_tokens, top_k, out, splits: int = 1):
+    # y: bf16 [P, D], or with splits the down launch's fp32 partials [splits, P, 1, D]
+    d = y.size(-1)
     block_d = min(1024, triton.next_power_of_2(d))
     _moe_combine_kernel[(n_tokens, triton.cdiv(d, block_d))](
-        y, ids, out, d, TOP_K=top_k, BLOCK_S=max(2, triton.next_power_of_2(top_k)), BLOCK_D=block_d,
-        num_warps=4,
+        y, ids, out, d, n_tokens * top_k, TOP_K=top_k, BLOCK_S=max(2, triton.next_power_of_2(top_k)),
+        BLOCK_D=block_d, SPLITS=splits, num_warps=4,
     )
     return out
 

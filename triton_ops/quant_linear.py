@@ -20,7 +20,8 @@ Numerics, equal to the torch fast path up to the order of the fp32 additions:
   taken as ``x * (1/s)`` (both exact for a power of two). The e4m3 rounding is one fp32 add and
   subtract of a power of two (:func:`_round_to_e4m3`), bit-exact against torch's cast on every
   device: Triton's fp8 cast is not used because the interpreter's truncates;
-- weight: the e4m3 bytes go through Triton's fp8 -> bf16 conversion (exact). An E2M1 code is
+- weight: the e4m3 bytes go through an exact fp8 -> bf16 conversion (on the GPU the integer /
+  bf16x2 one of `dequant.e4m3_to_bf16_ptx`, in the interpreter Triton's cast). An E2M1 code is
   re-encoded as the e4m3 byte of ``value * 2^-6`` (sign, then the 3 magnitude bits two places up;
   E2M1's 0.5 becomes an e4m3 subnormal), so fp4 uses the same exact conversion;
 - products of those bf16 values are exact in fp32. Per group of 32 K (one weight scale) a
@@ -129,6 +130,7 @@ def _kernel_is_interpreted() -> bool:
 
 
 if triton is not None:
+    from .dequant import e4m3_to_bf16_ptx
 
     @triton.jit
     def _pow2_scale(amax):
@@ -211,6 +213,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         GROUPS_PER_ITER: tl.constexpr,
         DOT_FP32: tl.constexpr,
+        PTX_DECODE: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -266,7 +269,10 @@ if triton is not None:
                     xq = _fake_quant_cols(x_t, scale, inv_scale)
 
                     w8 = tl.load(w_rows + (kg + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-                    w = w8.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+                    if PTX_DECODE:
+                        w = e4m3_to_bf16_ptx(w8)
+                    else:
+                        w = w8.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
                     part = _dot(w, xq, DOT_FP32)
                     s_byte = tl.load(s_ptr + (offs_n // 32) * stride_sn + gi, mask=s_mask, other=127)
                     w_scale = _e8m0_to_fp32(s_byte)
@@ -452,6 +458,7 @@ def quantized_linear_triton(
         BLOCK_M=_BLOCK_M,
         GROUPS_PER_ITER=config.groups_per_iter,
         DOT_FP32=x.device.type != "cuda",
+        PTX_DECODE=x.device.type == "cuda",  # fp8: `dequant.e4m3_to_bf16_ptx` (the interpreter cannot run PTX)
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
