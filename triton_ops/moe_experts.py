@@ -1,4 +1,4 @@
-"""Routed MoE experts of DeepSeek-V4.1 for a few token rows (decode), in four launches, no host sync.
+"""Routed MoE experts of DeepSeek-V4.1 for a few token rows (decode), in four to five launches, no host sync.
 
 Mirrors `inference/model.py: Expert.forward` and the routed half of `MoE.forward` for
 ``numerics="fast"`` (REFERENCE.md sections 8 and 21.11). For each (token t, slot j) pair with expert
@@ -49,9 +49,17 @@ Design (:func:`moe_experts_triton`):
    ascending expert id (repeated minimum) and added in fp32: ``out`` fp32 ``[T, D]``. No atomics;
    every output element is written by one program, so results are run-to-run deterministic.
 
+**Split-K** (`_default_splits`: calls with few pairs have too few programs to keep the GPU's
+memory busy): the gate-up and down grids get a third axis over ``S`` shares of the K blocks, each
+program storing fp32 partial sums ``[S, P, parts, N]``; a finishing launch adds the gate-up
+partials in split order and runs the same epilogue (`_gate_up_epilogue`), and the combine launch
+adds the down partials in split order and rounds each y to bf16 before the slot sum. Still
+deterministic; the fp32 sums are taken in another order than without splits.
+
 Two ways to multiply by quantized weights (``mma``): ``"scaled"`` hands the packed fp4 / fp8 bytes
 and e8m0 scales to ``tl.dot_scaled`` (Triton's own upcast to bf16, then a bf16 MMA); ``"manual"``
-decodes the codes with integer / float ops to bf16 and calls ``tl.dot``. Both compute the same
+decodes the codes to bf16 and calls ``tl.dot`` (fp4 on the GPU: integer and bf16x2 instructions,
+`dequant.fp4_pairs_to_bf16_ptx`; elsewhere integer / float ops). Both compute the same
 exact products. Triton's CPU interpreter gets both wrong for bf16 operands (``tl.dot`` outright,
 ``tl.dot_scaled`` by rounding the bf16 operand through fp16), so there the kernels multiply fp32
 operands (exact), the "scaled" weight tile being decoded by ``tl.dot_scaled`` against the identity.
@@ -714,8 +722,9 @@ def _default_mma() -> str:
         return choice
     if choice:
         raise MoEExpertsError(f"{ENV_MMA} must be 'scaled' or 'manual', got {choice!r}")
-    # measured on an H200 (triton 3.6, benchmarks/moe_experts.py): the manual decode of the codes
-    # reads the experts at 720-790 GB/s, the dot_scaled upcast at 510-610
+    # measured on an H200 (triton 3.6, benchmarks/moe_experts.py, CUDA graphs, before split-K):
+    # the manual decode reads the experts at 890-1240 GB/s with the PTX fp4 decode (710-850 with
+    # the portable one), the dot_scaled upcast at 510-610
     return "manual"
 
 
@@ -740,8 +749,8 @@ def moe_experts_triton(
     mma: str | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """The routed experts in four Triton launches (three for bf16 experts; module docstring), no
-    host sync.
+    """The routed experts in four Triton launches (three for bf16 experts; one more when the
+    gate-up launch is split: module docstring), no host sync.
 
     Args:
         x: bf16 ``[T, D]`` token rows (any row stride, unit column stride).
