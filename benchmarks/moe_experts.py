@@ -12,12 +12,16 @@ checkpoint's storage), at T token rows (default 1 and 8). Per T:
 - GB/s: expert bytes read (distinct experts x (w1 + w3 + w2 codes + e8m0 scales)) per second;
 - the whole MoE forward (router + routed + shared expert) eager, kernel path vs grouped path.
 
-``--sweep`` also times other tilings of the gate-up and down launches (a few minutes).
+The kernel rows: ``mma`` scaled, manual with the portable fp4 decode (``ptx_decode`` False) and
+manual with the inline-PTX decode (the default on the GPU). ``--sweep`` also times other tilings of
+the gate-up and down launches (a few minutes; split-K as the defaults pick it), ``--split-sweep``
+the split-K counts of both launches at the default tiling.
 
 Usage (CUDA only)::
 
     python benchmarks/moe_experts.py                  # T = 1 and 8
     python benchmarks/moe_experts.py --tokens 1 2 8 --sweep
+    python benchmarks/moe_experts.py --tokens 1 64 --split-sweep
 """
 
 from __future__ import annotations

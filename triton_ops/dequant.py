@@ -37,6 +37,11 @@ an e4m3fn NaN code becomes an fp16 NaN. Then, uniformly per program:
 No fp8 dtype is used in the kernels: the interpreter's e4m3 conversion does not know e4m3fn's NaN,
 and bit handling keeps interpreter and GPU in agreement.
 
+Also here, for the decode kernels (`moe_experts.py`, `quant_linear.py`) on the GPU only (inline PTX,
+which the interpreter cannot run): :func:`fp4_pairs_to_bf16_ptx` and :func:`e4m3_to_bf16_ptx`
+decode weight bytes to exact bf16 values with integer and bf16x2 instructions, and
+:func:`e8m0_to_bf16` gives a scale as bf16.
+
 Tiles: fp8 programs own 32 rows (one scale row) x ``groups`` 32-column scale blocks, loaded as a
 ``[32, groups, 32]`` tile so each scale broadcasts along its own axis; fp4 programs own
 ``rows x groups`` scales, loaded as ``[rows, groups, 16]`` bytes and written, nibbles interleaved
@@ -117,6 +122,12 @@ if triton is not None:
         bits = tl.where(sb == 0, 0x0040, tl.where(sb == 255, 0x7FFF, sb << 7))
         return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
+    def _ptx_lanes(dst, src, mag_shift, mag_mask, sign_shift):
+        # PTX: two bytes spread over the 16-bit halves of `src` (0x00BB00AA) -> `dst`, each half a
+        # bf16 bit pattern: the byte's magnitude bits shifted into `mag_mask`, its sign to bit 15
+        return (f"shl.b32 m, {src}, {mag_shift};\n    and.b32 m, m, {mag_mask};\n"
+                f"    shl.b32 s, {src}, {sign_shift};\n    and.b32 s, s, 0x80008000;\n    or.b32 {dst}, m, s;\n    ")
+
     # Four packed E2M1 bytes ($4) and their four bf16 scales ($5, $6: two per register) -> the
     # even (low-nibble) values ($0, $1) and the odd (high-nibble) values ($2, $3), two bf16 per
     # register, element 0 in the low half. Each nibble's three magnitude bits go to bf16 bits 6..8
@@ -124,9 +135,10 @@ if triton is not None:
     # subnormal 2^-127). Multiplying by 2^126 and then by the scale is exact in bf16 (an E2M1 value
     # has two significant bits; bf16 subnormals reach 2^-133), so the result equals
     # bf16(value * scale) computed in fp32. fma with -0.0 (an exact multiply that keeps the sign
-    # of zero) runs on sm_80; mul.bf16x2 would need sm_90. Inputs are copied first because an
-    # output may share a register with an input.
-    _FP4_PTX = tl.constexpr("""
+    # of zero) runs on sm_80; mul.bf16x2 would need sm_90. The scales are copied first because an
+    # output may share a register with an input (the bytes are read before any output is written).
+    _FP4_PTX = tl.constexpr(
+        """
     {
     .reg .b32 x01, x23, sa, sb, z, m, s, t0, t1, t2, t3, bias, nz;
     mov.b32 sa, $5;
@@ -136,25 +148,12 @@ if triton is not None:
     mov.b32 nz, 0x80008000;
     prmt.b32 x01, $4, z, 0x4140;
     prmt.b32 x23, $4, z, 0x4342;
-    shl.b32 m, x01, 6;
-    shl.b32 s, x01, 12;
-    or.b32 t0, m, s;
-    and.b32 t0, t0, 0x81C081C0;
-    shl.b32 m, x23, 6;
-    shl.b32 s, x23, 12;
-    or.b32 t1, m, s;
-    and.b32 t1, t1, 0x81C081C0;
-    shl.b32 m, x01, 2;
-    and.b32 m, m, 0x01C001C0;
-    shl.b32 s, x01, 8;
-    and.b32 s, s, 0x80008000;
-    or.b32 t2, m, s;
-    shl.b32 m, x23, 2;
-    and.b32 m, m, 0x01C001C0;
-    shl.b32 s, x23, 8;
-    and.b32 s, s, 0x80008000;
-    or.b32 t3, m, s;
-    fma.rn.bf16x2 t0, t0, bias, nz;
+    """
+        + _ptx_lanes("t0", "x01", 6, "0x01C001C0", 12)  # low nibbles of bytes 0, 1
+        + _ptx_lanes("t1", "x23", 6, "0x01C001C0", 12)
+        + _ptx_lanes("t2", "x01", 2, "0x01C001C0", 8)  # high nibbles
+        + _ptx_lanes("t3", "x23", 2, "0x01C001C0", 8)
+        + """fma.rn.bf16x2 t0, t0, bias, nz;
     fma.rn.bf16x2 t1, t1, bias, nz;
     fma.rn.bf16x2 t2, t2, bias, nz;
     fma.rn.bf16x2 t3, t3, bias, nz;
@@ -163,7 +162,8 @@ if triton is not None:
     fma.rn.bf16x2 $2, t2, sa, nz;
     fma.rn.bf16x2 $3, t3, sb, nz;
     }
-    """)
+    """
+    )
 
     @triton.jit
     def fp4_pairs_to_bf16_ptx(packed, scale):
@@ -178,27 +178,26 @@ if triton is not None:
             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
         )
 
-    # Four e4m3 bytes ($2) -> their bf16 values ($0, $1: two per register, element 0 in the low
-    # half). Each byte's seven exponent / mantissa bits go to bf16 bits 4..10 and its sign to bit
-    # 15: that bf16 is the e4m3 value times 2^-120 (e4m3 subnormals land on bf16 subnormals), and
-    # one exact multiply by 2^120 restores it. NaN bytes (0x7F, 0xFF) come out finite. Replaces
+    # Two e4m3 bytes ($1) -> their bf16 values ($0, element 0 in the low half). Each byte's seven
+    # exponent / mantissa bits go to bf16 bits 4..10 and its sign to bit 15: that bf16 is the e4m3
+    # value times 2^-120 (e4m3 subnormals land on bf16 subnormals), and one exact multiply by 2^120
+    # (fma with -0.0, as `_FP4_PTX`) restores it. NaN bytes (0x7F, 0xFF) come out finite. Replaces
     # Triton's e4m3 -> fp16 -> bf16 conversion, whose fp16 -> bf16 step runs at a quarter of the
-    # integer rate. As `_FP4_PTX`: fma with -0.0, inputs copied first.
-    _E4M3_PTX = tl.constexpr("""
+    # integer rate. The input is read before the output is written.
+    _E4M3_PTX = tl.constexpr(
+        """
     {
     .reg .b32 x01, z, m, s, bias, nz;
     mov.b32 z, 0;
     mov.b32 bias, 0x7B807B80;
     mov.b32 nz, 0x80008000;
     prmt.b32 x01, $1, z, 0x4140;
-    shl.b32 m, x01, 4;
-    and.b32 m, m, 0x07F007F0;
-    shl.b32 s, x01, 8;
-    and.b32 s, s, 0x80008000;
-    or.b32 m, m, s;
-    fma.rn.bf16x2 $0, m, bias, nz;
+    """
+        + _ptx_lanes("m", "x01", 4, "0x07F007F0", 8)
+        + """fma.rn.bf16x2 $0, m, bias, nz;
     }
-    """)
+    """
+    )
 
     @triton.jit
     def e4m3_to_bf16_ptx(raw):

@@ -54,7 +54,9 @@ memory busy): the gate-up and down grids get a third axis over ``S`` shares of t
 program storing fp32 partial sums ``[S, P, parts, N]``; a finishing launch adds the gate-up
 partials in split order and runs the same epilogue (`_gate_up_epilogue`), and the combine launch
 adds the down partials in split order and rounds each y to bf16 before the slot sum. Still
-deterministic; the fp32 sums are taken in another order than without splits.
+deterministic; the fp32 sums are taken in another order than without splits, and since the split
+counts follow the number of pairs, a row decoded alone may round a bf16 bit apart from the same
+row in a larger batch.
 
 Two ways to multiply by quantized weights (``mma``): ``"scaled"`` hands the packed fp4 / fp8 bytes
 and e8m0 scales to ``tl.dot_scaled`` (Triton's own upcast to bf16, then a bf16 MMA); ``"manual"``
@@ -800,8 +802,6 @@ def moe_experts_triton(
     ids = indices.reshape(-1)
     ids = ids if ids.is_contiguous() else ids.contiguous()
     rw = weights.reshape(-1).contiguous()
-    h = torch.empty(n_pairs, inter, dtype=torch.bfloat16, device=x.device)
-
     fmt = _FORMATS[table.fmt]
     defaults = _INTERPRET_CONFIG if interpret else _GPU_CONFIG
     config = {**defaults, "splits": _default_splits(n_pairs, interpret), **(config or {})}
@@ -830,7 +830,8 @@ def moe_experts_triton(
         BLOCK_M=block_m,
     )
 
-    def launch(gate_up: bool, a, n, k, out_t):
+    def launch(gate_up: bool, a, n, k):
+        # -> (bf16 [P, n] output, 1), or for a split down launch (its fp32 partials, splits)
         block_n, block_k, warps, stages = config["gate_up" if gate_up else "down"]
         block_k = _block_k(k, block_k)
         if block_k < QUANT_GROUP:
@@ -844,7 +845,8 @@ def moe_experts_triton(
         else:
             w_row, s_row = k, 0
         n_split = min(splits["gate_up" if gate_up else "down"], k // block_k)
-        if n_split > 1:  # fp32 partials, added up by the finishing launch
+        out_t = torch.empty(n_pairs, n, dtype=torch.bfloat16, device=x.device) if gate_up or n_split == 1 else None
+        if n_split > 1:  # fp32 partials, added up by the finishing launch (gate-up) or the combine
             parts = torch.empty(n_split, n_pairs, 2 if gate_up else 1, n, dtype=torch.float32, device=x.device)
         grid = (n_pairs, triton.cdiv(n, block_n), n_split)
         _moe_expert_gemm_kernel[grid](
@@ -870,8 +872,8 @@ def moe_experts_triton(
             x, xq, d, x.stride(0), BLOCK_G=block_g, num_warps=4
         )
         x = xq
-    launch(True, x, inter, d, h)
-    y, y_splits = launch(False, h, d, inter, torch.empty(n_pairs, d, dtype=torch.bfloat16, device=x.device))
+    h, _ = launch(True, x, inter, d)
+    y, y_splits = launch(False, h, d, inter)
     return _combine(y, ids, n_tokens, top_k, out, y_splits)
 
 

@@ -415,7 +415,8 @@ def quantized_linear_triton(
     n, k = _check_args(x, weight, scale, weight_dtype)
     if not triton_available():
         raise QuantLinearError("the quantized-linear kernel needs the triton package, which is not installed")
-    if x.device.type != "cuda" and not (_kernel_is_interpreted() and triton_interpret_mode()):
+    interpreted = _kernel_is_interpreted()
+    if x.device.type != "cuda" and not (interpreted and triton_interpret_mode()):
         raise QuantLinearError(
             f"the quantized-linear kernel needs CUDA tensors (got {x.device.type}) or Triton's interpreter "
             "(TRITON_INTERPRET=1 before this module is imported)"
@@ -457,8 +458,8 @@ def quantized_linear_triton(
         BLOCK_N=config.block_n,
         BLOCK_M=_BLOCK_M,
         GROUPS_PER_ITER=config.groups_per_iter,
-        DOT_FP32=x.device.type != "cuda",
-        PTX_DECODE=x.device.type == "cuda",  # fp8: `dequant.e4m3_to_bf16_ptx` (the interpreter cannot run PTX)
+        DOT_FP32=interpreted,
+        PTX_DECODE=not interpreted,  # fp8: `dequant.e4m3_to_bf16_ptx` (the interpreter cannot run PTX)
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
