@@ -47,7 +47,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
 from .kernel_backend import kernel_interpreted, on_input_device
 from .kernel_backend import resolve_backend as _resolve_backend
 from .kernel_backend import triton_interpret_mode
-from .moe_experts import _FORMATS, QUANT_GROUP, ExpertWeightTable
+from .moe_expert_table import _FORMATS, QUANT_GROUP, ExpertWeightTable
 
 if triton is not None:
     from .dequant import _e4m3_scaled_f32, fp4_tile_to_bf16
