@@ -143,6 +143,9 @@ def test_split_k_matches_module_math(fmt, monkeypatch):
     # partials; the finishing gate-up launch and the combine add the splits in order
     finish = _LaunchCount(moe_experts._gate_up_finish_kernel)
     monkeypatch.setattr(moe_experts, "_gate_up_finish_kernel", finish)
+    combined_splits = []
+    combine = moe_experts._combine
+    monkeypatch.setattr(moe_experts, "_combine", lambda *a: combined_splits.append(a[-1]) or combine(*a))
     moe = _tiny_moe(fmt, 1.0, seed=8, inter=2 * INTER)
     x = _inputs(3, seed=9).reshape(-1, HIDDEN)
     with torch.inference_mode():
@@ -154,6 +157,7 @@ def test_split_k_matches_module_math(fmt, monkeypatch):
             out = moe_experts.moe_experts_triton(x, weights, indices, table, config={"splits": splits})
             _assert_close_to_module_math(out, ref)
     assert finish.launches == 2  # the gate-up launch was split where asked
+    assert combined_splits == [2, 1, 2]  # and the down launch (5 capped at its 2 K blocks)
 
 
 def test_torch_fallback_is_the_grouped_path():
