@@ -2,7 +2,8 @@
 
 The golden tests feed every layer the reference's own attention input,
 attn_norm(hc_pre(block_in_i, pre_mix_in_i)), run the layers 0..7 in order through one
-`DeepseekV41AttentionState` (so KV / index sharing is exercised), and compare with `torch.equal`.
+`DeepseekV41AttentionState` (so KV / index sharing is exercised), and compare bit for bit on the
+fixture CPU (`golden_bits.assert_golden`; elsewhere within its per-block bounds, reported xfailed).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from deepseek_v41_vl.modeling.indexer_deepseek_v41_vl import select_candidate_bl
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config, DeepseekV41TextConfig
 from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import DeepseekV41Linear, dequantize_fp8_weight
 from deepseek_v41_vl.triton_ops.sparse_attention import sparse_attention as sparse_attention_op
+from golden_bits import LOCAL_MISMATCH, LOCAL_REL_L2, assert_golden
 from helpers import rel_l2
 from deepseek_v41_vl.modeling.rope_deepseek_v41_vl import (
     DeepseekV41RopeError,
@@ -240,19 +242,19 @@ def test_teacher_forced_prefill_is_bit_exact(golden, variant, run):
     compared = []
     for i in range(config.num_hidden_layers):
         if f"prefill.attn_out.{i}" in gold:
-            assert torch.equal(outs[i], gold[f"prefill.attn_out.{i}"]), f"attn_out.{i}"
+            assert_golden(outs[i], gold[f"prefill.attn_out.{i}"], f"attn_out.{i}", rel_l2=LOCAL_REL_L2)
             compared.append(f"attn_out.{i}")
         if f"prefill.indexer.{i}.topk_idxs" in gold:
-            assert torch.equal(state.topk_idxs[i], gold[f"prefill.indexer.{i}.topk_idxs"]), f"indexer.{i}.topk_idxs"
-            assert torch.equal(state.index_scores[i], gold[f"prefill.indexer.{i}.scores"]), f"indexer.{i}.scores"
+            assert_golden(state.topk_idxs[i], gold[f"prefill.indexer.{i}.topk_idxs"], f"indexer.{i}.topk_idxs", mismatch=LOCAL_MISMATCH)
+            assert_golden(state.index_scores[i], gold[f"prefill.indexer.{i}.scores"], f"indexer.{i}.scores", rel_l2=LOCAL_REL_L2)
             compared.append(f"indexer.{i}")
     for src in config.kv_source_layer_ids:
         layer_cache = state.cache.layer(src)
         kv, k = layer_cache.compressed_kv, layer_cache.index_k
-        assert torch.equal(kv.rows(kv.length), gold[f"prefill.compress_kv_cache.{src}"]), f"compress_kv_cache.{src}"
-        assert torch.equal(k.rows(k.length), gold[f"prefill.index_k_cache.{src}"]), f"index_k_cache.{src}"
+        assert_golden(kv.rows(kv.length), gold[f"prefill.compress_kv_cache.{src}"], f"compress_kv_cache.{src}", rel_l2=LOCAL_REL_L2)
+        assert_golden(k.rows(k.length), gold[f"prefill.index_k_cache.{src}"], f"index_k_cache.{src}", rel_l2=LOCAL_REL_L2)
     cand = config.candidate_source_layer_id
-    assert torch.equal(state.candidates, gold[f"prefill.indexer.{cand}.candidates"])
+    assert_golden(state.candidates, gold[f"prefill.indexer.{cand}.candidates"], "candidates", mismatch=LOCAL_MISMATCH)
     # every index source and, for the VL run, every layer's output was compared
     assert len([c for c in compared if c.startswith("indexer")]) == len(config.index_source_layer_ids)
     assert len([c for c in compared if c.startswith("attn_out")]) == (config.num_hidden_layers if run == "vl" else 0)

@@ -12,9 +12,8 @@ import torch
 import deepseek_v41_vl  # noqa: F401  (registers the Auto classes)
 from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
 from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41ModelError
-from golden_bits import CHAIN_REL_L2, assert_golden
+from golden_bits import ARGMAX_AGREEMENT, CHAIN_REL_L2, LOGITS_REL_L2, assert_golden
 from helpers import rel_l2
-from test_chunked_prefill import ARGMAX_AGREEMENT, LOGITS_REL_L2
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -30,13 +30,12 @@ from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import DeepseekV41Numeric
 from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState
 from deepseek_v41_vl.modeling.debug_deepseek_v41_vl import capture_intermediates
 
+from golden_bits import ARGMAX_AGREEMENT, LOGITS_REL_L2
 from golden_models import VARIANTS, golden_model, load_golden_model, run_inputs
 from helpers import rel_l2
 
 BLOCK_REL_L2 = 0.05
 SELECTION_AGREEMENT = 0.9
-LOGITS_REL_L2 = 0.05
-ARGMAX_AGREEMENT = 0.9
 # elements per chunk intermediate: forces chunks of a few queries on the tiny models
 TINY_BUDGET = 2000
 BUDGETS = {"default": numerics_module.FAST_MAX_ELEMENTS, "chunked": TINY_BUDGET}

@@ -34,15 +34,13 @@ from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import (
 )
 from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
 
-from golden_bits import CHAIN_REL_L2, assert_golden
+from golden_bits import ARGMAX_AGREEMENT, CHAIN_REL_L2, LOGITS_REL_L2, assert_golden
 from golden_models import DECODE_STEPS, VARIANTS, golden_model, run_inputs
 from test_fast_numerics import TINY_BUDGET
 from helpers import rel_l2
 
 import deepseek_v41_vl.modeling.numerics_deepseek_v41_vl as numerics_module
 
-LOGITS_REL_L2 = 0.05  # README "Recommendations", 3
-ARGMAX_AGREEMENT = 0.9
 PAD_ID = 2
 
 
