@@ -456,7 +456,7 @@ def test_a_conversation_on_one_cache_continues_like_one_prefill_on_gpu(golden, c
     bounds of one prefill of the whole conversation; then crop back to the first turn and redo it."""
     from transformers import AutoProcessor
 
-    from test_chunked_prefill import ARGMAX_AGREEMENT, LOGITS_REL_L2
+    from golden_bits import ARGMAX_AGREEMENT, LOGITS_REL_L2
 
     model = hf_all_gpu_run(golden, converted_tiny_fp8)["model"]
     processor = AutoProcessor.from_pretrained(converted_tiny_fp8)
@@ -757,34 +757,45 @@ def test_fp4_ptx_decode_equals_dequantize_fp4_weight_for_every_byte_and_scale():
     assert torch.equal(out.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
 
 
-@pytest.mark.parametrize("kind", ["fp4", "bf16"])
-@pytest.mark.parametrize("tokens", [1, 8, 64])
-def test_moe_expert_kernels_match_the_grouped_path(kind, tokens, monkeypatch):
-    """The routed-expert kernels (decode rows) against the per-expert grouped path, compiled, at a
-    mid width with the released expert count and top-k; and the weight dequantization kernels bit
-    for bit against the torch functions on the same experts."""
+def _random_released_moe(kind: str, gen: torch.Generator, numerics: str | None = None, scale_bytes: tuple = (121, 122)):
+    """Layer 3's MoE of the released config at a mid width (hidden 512, experts 256 wide), on the
+    GPU, experts stored as `kind`, weights drawn from `gen`: fp4 codes uniform, e8m0 scale bytes
+    uniform in ``[scale_bytes[0], scale_bytes[1])`` (121: 2^-6); `numerics` None keeps the config's."""
     import json as _json
 
     from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config as _Config
     from deepseek_v41_vl.modeling.moe_deepseek_v41_vl import DeepseekV41MoE
-    from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import dequantize_fp4_weight
 
     released = _json.loads((Path(__file__).resolve().parent.parent / "configs" / "deepseek_v41_flash.json").read_text())
     released["text_config"].update(hidden_size=512, moe_intermediate_size=256)
     text = _Config.from_dict(released).text_config
     text.expert_weight_dtype = kind
-    gen = torch.Generator(device=CUDA).manual_seed(tokens)
+    if numerics is not None:
+        text.numerics = numerics
     with torch.device(CUDA):
         moe = DeepseekV41MoE(text, 3).eval()
     for name, p in moe.named_parameters():
         if p.dtype == torch.float4_e2m1fn_x2:
             p.data.view(torch.uint8).copy_(torch.randint(0, 256, p.shape, generator=gen, device=CUDA, dtype=torch.uint8))
         elif p.dtype == torch.float8_e8m0fnu:
-            p.data.view(torch.uint8).fill_(127 - 6)
+            p.data.view(torch.uint8).copy_(torch.randint(*scale_bytes, p.shape, generator=gen, device=CUDA, dtype=torch.uint8))
         elif p.dtype == torch.float8_e4m3fn:
             p.data.copy_((torch.randn(p.shape, generator=gen, device=CUDA) * 4).to(p.dtype))
         else:
             p.data.copy_((torch.randn(p.shape, generator=gen, device=CUDA) * p.shape[-1] ** -0.5).to(p.dtype))
+    return moe
+
+
+@pytest.mark.parametrize("kind", ["fp4", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_moe_expert_kernels_match_the_grouped_path(kind, tokens, monkeypatch):
+    """The routed-expert kernels (decode rows) against the per-expert grouped path, compiled, at a
+    mid width with the released expert count and top-k; and the weight dequantization kernels bit
+    for bit against the torch functions on the same experts."""
+    from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import dequantize_fp4_weight
+
+    gen = torch.Generator(device=CUDA).manual_seed(tokens)
+    moe = _random_released_moe(kind, gen)
     x = torch.randn(1, tokens, 512, generator=gen, device=CUDA).to(torch.bfloat16)
     with torch.no_grad():
         ref = with_backends(moe, moe_experts="torch")(x)
@@ -802,6 +813,31 @@ def test_moe_expert_kernels_match_the_grouped_path(kind, tokens, monkeypatch):
             assert torch.equal(shared.dequantized_weight(backend="triton"), shared.dequantized_weight(backend="torch"))
 
 
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_moe_expert_decode_variants_agree(tokens):
+    """Every variant of the compiled fp4 expert launch: the PTX and the portable weight decode give
+    the same bits at any split count (they decode to equal values), and split-K against no split
+    differs only by the order of the fp32 sums (module docstring)."""
+    from deepseek_v41_vl.triton_ops import moe_experts as _moe_experts
+
+    gen = torch.Generator(device=CUDA).manual_seed(tokens)
+    moe = _random_released_moe("fp4", gen)
+    x = torch.randn(tokens, 512, generator=gen, device=CUDA).to(torch.bfloat16)
+    with torch.no_grad():
+        weights, indices = moe.gate(x)
+        table = moe.expert_tables.get(moe.experts)
+        ref = moe._routed_grouped(x, weights, indices)
+        outs = {}
+        for ptx in (True, False):
+            for splits in ((1, 1), (4, 2)):
+                config = {"ptx_decode": ptx, "splits": {"gate_up": splits[0], "down": splits[1]}}
+                outs[ptx, splits] = _moe_experts.moe_experts_triton(x, weights, indices, table, mma="manual", config=config)
+    for splits in ((1, 1), (4, 2)):
+        assert torch.equal(outs[True, splits], outs[False, splits]), f"PTX vs portable decode at splits {splits}"
+    assert rel_l2(outs[True, (4, 2)], outs[True, (1, 1)]) < 1e-3
+    assert rel_l2(outs[True, (1, 1)], ref) < 2e-3
+
+
 @pytest.mark.parametrize("kind", ["fp4", "fp8", "bf16"])
 def test_moe_prefill_path_matches_the_per_expert_loop(kind, monkeypatch):
     """The MoE prefill path (`triton_ops/moe_prefill.py`: batched expert dequantization +
@@ -809,33 +845,14 @@ def test_moe_prefill_path_matches_the_per_expert_loop(kind, monkeypatch):
     mid width (D=512, I=256) with the released 384 experts and top-6, 300 tokens (1800 rows: not
     the decode kernels). The GEMMs sum the same exact products in another order, so: rel L2 < 2e-3
     and >= 90% of the output elements bitwise equal; the batched dequantization bit for bit."""
-    import json as _json
-
     import deepseek_v41_vl.triton_ops.moe_prefill as moe_prefill
-    from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config as _Config
-    from deepseek_v41_vl.modeling.moe_deepseek_v41_vl import DeepseekV41MoE
     from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import dequantize_fp4_weight, dequantize_fp8_weight
 
     _require_compiled_triton()
     tokens = 300
-    released = _json.loads((Path(__file__).resolve().parent.parent / "configs" / "deepseek_v41_flash.json").read_text())
-    released["text_config"].update(hidden_size=512, moe_intermediate_size=256)
-    text = _Config.from_dict(released).text_config
-    text.expert_weight_dtype = kind
-    text.numerics = "fast"
     gen = torch.Generator(device=CUDA).manual_seed(7)
-    with torch.device(CUDA):
-        moe = DeepseekV41MoE(text, 3).eval()
+    moe = _random_released_moe(kind, gen, numerics="fast", scale_bytes=(119, 123))
     assert moe.n_routed_experts == 384 and moe.gate.top_k == 6
-    for _, p in moe.named_parameters():
-        if p.dtype == torch.float4_e2m1fn_x2:
-            p.data.view(torch.uint8).copy_(torch.randint(0, 256, p.shape, generator=gen, device=CUDA, dtype=torch.uint8))
-        elif p.dtype == torch.float8_e8m0fnu:
-            p.data.view(torch.uint8).copy_(torch.randint(119, 123, p.shape, generator=gen, device=CUDA, dtype=torch.uint8))
-        elif p.dtype == torch.float8_e4m3fn:
-            p.data.copy_((torch.randn(p.shape, generator=gen, device=CUDA) * 4).to(p.dtype))
-        else:
-            p.data.copy_((torch.randn(p.shape, generator=gen, device=CUDA) * p.shape[-1] ** -0.5).to(p.dtype))
     x = torch.randn(1, tokens, 512, generator=gen, device=CUDA).to(torch.bfloat16)
     calls = []
     real = moe_prefill.moe_routed_prefill

@@ -333,6 +333,10 @@ def test_bad_input_raises(monkeypatch):
         run(x, w, ids, table, config={"splits": {"gate_up": 0, "down": 1}})
     with pytest.raises(MoEExpertsError, match="splits"):
         run(x, w, ids, table, config={"splits": {"gate_up": 2}})
+    with pytest.raises(MoEExpertsError, match="splits"):
+        run(x, w, ids, table, config={"splits": {"gate_up": True, "down": 1}})
+    with pytest.raises(MoEExpertsError, match="splits"):
+        run(x, w, ids, table, config={"splits": 2})
     with pytest.raises(MoEExpertsError, match="ptx_decode"):
         run(x, w, ids, table, mma="manual", config={"ptx_decode": True})
     monkeypatch.setenv(moe_experts.ENV_MMA, "wgmma")

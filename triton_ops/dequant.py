@@ -40,7 +40,7 @@ and bit handling keeps interpreter and GPU in agreement.
 Also here, for the decode kernels (`moe_experts.py`, `quant_linear.py`) on the GPU only (inline PTX,
 which the interpreter cannot run): :func:`fp4_pairs_to_bf16_ptx` and :func:`e4m3_to_bf16_ptx`
 decode weight bytes to exact bf16 values with integer and bf16x2 instructions, and
-:func:`e8m0_to_bf16` gives a scale as bf16.
+:func:`e8m0_to_fp32` and :func:`e8m0_to_bf16` give a scale as fp32 or bf16 (the package's only e8m0 rule).
 
 Tiles: fp8 programs own 32 rows (one scale row) x ``groups`` 32-column scale blocks, loaded as a
 ``[32, groups, 32]`` tile so each scale broadcasts along its own axis; fp4 programs own
@@ -85,12 +85,14 @@ class DequantizationError(ValueError):
 if triton is not None:
 
     @triton.jit
-    def _e8m0_to_fp32(sb):
-        """e8m0 bytes (int32) -> fp32 ``2^(b-127)``: b = 0 is the subnormal 2^-127, 255 is NaN (as torch).
+    def e8m0_to_fp32(sb):
+        """e8m0 bytes (any integer type) -> fp32 ``2^(b-127)``: b = 0 is the subnormal 2^-127, 255 is
+        NaN (as torch). The one fp32 form of the rule for every kernel of this package.
 
         The NaN is the GPU's canonical one (all payload bits set), so the interpreter exercises the
-        NaN guard of :func:`_bf16_rne` the way the hardware would.
+        NaN guards of the bf16 roundings the way the hardware would.
         """
+        sb = sb.to(tl.int32)
         bits = tl.where(sb == 0, 0x00400000, tl.where(sb == 255, 0x7FFFFFFF, sb << 23))
         return bits.to(tl.float32, bitcast=True)
 
@@ -220,7 +222,7 @@ if triton is not None:
             hi = (x_hi * factor).to(tl.bfloat16)
         else:
             # torch's own product, value * scale.float(), then round to nearest even
-            scale = _e8m0_to_fp32(sb)[:, :, None]
+            scale = e8m0_to_fp32(sb)[:, :, None]
             lo = _bf16_rne((x_lo * 16384.0) * scale)
             hi = _bf16_rne((x_hi * 16384.0) * scale)
         return tl.reshape(tl.join(lo, hi), (ROWS, GROUPS, 32))  # even element (low nibble) first
@@ -258,7 +260,7 @@ if triton is not None:
             out = (x * factor[None, :, None]).to(tl.bfloat16)
         else:
             # torch's own product, w.float() * scale.float(), then round to nearest even
-            out = _bf16_rne((x * 256.0) * _e8m0_to_fp32(sb)[None, :, None])
+            out = _bf16_rne((x * 256.0) * e8m0_to_fp32(sb)[None, :, None])
         tl.store(o_ptr + row0.to(tl.int64) * stride_o + r * stride_o + col, out, mask=ok)
 
     @triton.jit

@@ -80,7 +80,7 @@ then picks Triton for CUDA tensors. On the CPU the kernels run only in Triton's 
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -218,7 +218,7 @@ def moe_experts_torch(x: torch.Tensor, weights: torch.Tensor, indices: torch.Ten
 # Triton kernels
 # ---------------------------------------------------------------------------------------------
 if triton is not None:
-    from .dequant import e8m0_to_bf16, fp4_pairs_to_bf16_ptx
+    from .dequant import e8m0_to_bf16, e8m0_to_fp32, fp4_pairs_to_bf16_ptx
 
     @triton.jit
     def _round_bf16(v):
@@ -260,13 +260,6 @@ if triton is not None:
         return tl.reshape(r * scale[:, :, None], (ROWS, COLS))
 
     @triton.jit
-    def _e8m0_to_f32(b):
-        # e8m0 byte -> 2^(b-127) in fp32 (b = 0: the subnormal 2^-127; b = 255: NaN)
-        b = b.to(tl.int32)
-        bits = tl.where(b == 0, 0x00400000, tl.where(b == 255, 0x7FC00000, b << 23))
-        return bits.to(tl.float32, bitcast=True)
-
-    @triton.jit
     def _fp4_to_f32(code):
         # E2M1 code (int32, bit 3 = sign) -> value: the code's bits placed as an fp16 (exponent
         # field = E2M1 exponent, mantissa msb = E2M1 mantissa) is E2M1 * 2^-14, subnormals included
@@ -298,7 +291,7 @@ if triton is not None:
                 wb = tl.reshape(hi, (BLOCK_N, BLOCK_K // 2))
             elif MANUAL:
                 b = packed.to(tl.int32)
-                s = _e8m0_to_f32(sc)[:, :, None]
+                s = e8m0_to_fp32(sc)[:, :, None]
                 lo = tl.reshape(tl.reshape(_fp4_to_f32(b & 15), (BLOCK_N, NG, 16)) * s, (BLOCK_N, BLOCK_K // 2))
                 hi = tl.reshape(tl.reshape(_fp4_to_f32(b >> 4), (BLOCK_N, NG, 16)) * s, (BLOCK_N, BLOCK_K // 2))
                 wa = lo.to(tl.bfloat16)
@@ -311,7 +304,7 @@ if triton is not None:
             sc = tl.load(s_row_ptrs + k0 // 32 + g[None, :])
             if MANUAL:
                 v = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                s = _e8m0_to_f32(sc)[:, :, None]
+                s = e8m0_to_fp32(sc)[:, :, None]
                 wa = tl.reshape(tl.reshape(v, (BLOCK_N, NG, 32)) * s, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
                 wb = wa
             else:
@@ -639,9 +632,13 @@ def moe_experts_triton(
     fmt = _FORMATS[table.fmt]
     defaults = _INTERPRET_CONFIG if interpret else _GPU_CONFIG
     config = {**defaults, "splits": _default_splits(n_pairs, interpret), **(config or {})}
-    splits = dict(config["splits"])
-    if set(splits) != {"gate_up", "down"} or any(not isinstance(v, int) or v < 1 for v in splits.values()):
-        raise MoEExpertsError(f"splits must map 'gate_up' and 'down' to ints >= 1, got {config['splits']!r}")
+    splits = config["splits"]
+    if (
+        not isinstance(splits, Mapping)
+        or set(splits) != {"gate_up", "down"}
+        or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in splits.values())
+    ):
+        raise MoEExpertsError(f"splits must map 'gate_up' and 'down' to ints >= 1, got {splits!r}")
     block_m = int(config.get("block_m", 16))
     if block_m < 1 or block_m & (block_m - 1) or (block_m < 16 and not interpret):
         raise MoEExpertsError(f"block_m must be a power of 2 (>= 16 on the GPU), got {block_m}")

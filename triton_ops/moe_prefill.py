@@ -50,8 +50,8 @@ from .kernel_backend import triton_interpret_mode
 from .moe_expert_table import _FORMATS, QUANT_GROUP, ExpertWeightTable
 
 if triton is not None:
-    from .dequant import _e4m3_scaled_f32, fp4_tile_to_bf16
-    from .moe_experts import _e8m0_to_f32, _fake_quant_rows_kernel
+    from .dequant import _e4m3_scaled_f32, e8m0_to_fp32, fp4_tile_to_bf16
+    from .moe_experts import _fake_quant_rows_kernel
 
 __all__ = [
     "ENV_BACKEND",
@@ -137,7 +137,7 @@ if triton is not None:
                     factor = ((sb + 8) << 23).to(tl.float32, bitcast=True)[:, :, None]
                     out = (x * factor).to(tl.bfloat16)
                 else:
-                    out = _to_bf16_rne((x * 256.0) * _e8m0_to_f32(sb)[:, :, None])
+                    out = _to_bf16_rne((x * 256.0) * e8m0_to_fp32(sb)[:, :, None])
         tl.store(out_base + r * K + col, out, mask=ok)
 
 

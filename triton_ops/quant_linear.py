@@ -130,7 +130,7 @@ def _kernel_is_interpreted() -> bool:
 
 
 if triton is not None:
-    from .dequant import e4m3_to_bf16_ptx
+    from .dequant import e4m3_to_bf16_ptx, e8m0_to_fp32
 
     @triton.jit
     def _pow2_scale(amax):
@@ -167,14 +167,6 @@ if triton is not None:
         v = x * inv_scale[None, :]
         v = tl.minimum(tl.maximum(v, -448.0), 448.0)
         return (_round_to_e4m3(v) * scale[None, :]).to(tl.bfloat16)
-
-    @triton.jit
-    def _e8m0_to_fp32(b):
-        """e8m0 bytes (uint8) -> 2^(b - 127) fp32 (byte 0: 2^-127 subnormal; 255: NaN), as torch."""
-        b = b.to(tl.int32)
-        bits = tl.where(b == 0, 0x400000, b << 23)
-        bits = tl.where(b == 255, 0x7FC00000, bits)
-        return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
     def _to_bf16_rne(v):
@@ -259,7 +251,7 @@ if triton is not None:
                     part = _dot(w_lo, xq_even, DOT_FP32)
                     part += _dot(w_hi, xq_odd, DOT_FP32)
                     s_byte = tl.load(s_ptr + offs_n * stride_sn + gi, mask=s_mask, other=127)
-                    w_scale = _e8m0_to_fp32(s_byte) * 64.0
+                    w_scale = e8m0_to_fp32(s_byte) * 64.0
                 else:
                     kk = tl.arange(0, 32)
                     k_ok = (kk * 0 + gi) < g_hi
@@ -275,7 +267,7 @@ if triton is not None:
                         w = w8.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
                     part = _dot(w, xq, DOT_FP32)
                     s_byte = tl.load(s_ptr + (offs_n // 32) * stride_sn + gi, mask=s_mask, other=127)
-                    w_scale = _e8m0_to_fp32(s_byte)
+                    w_scale = e8m0_to_fp32(s_byte)
                 acc += part * w_scale[:, None]
 
         out_mask = n_ok[:, None] & m_ok[None, :]
