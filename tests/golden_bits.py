@@ -43,14 +43,16 @@ LOCAL_MISMATCH = 0.05
 # through the whole model (8 chaotic layers): the last-bit differences have grown (measured: up
 # to 0.045 in the logits, 0.14 in an attention output)
 CHAIN_REL_L2 = 0.3
-# On any CPU, prefill logits end to end against the golden, or against another plan of the same
-# prompt (chunks, padding, fast numerics): the reference's own +-1 ulp probe at the block-0 input
-# moves them by rel L2 0.030 (bf16) / 0.053 (fp8) (golden README, "Full model"), and an AVX2 CPU's
-# exact fp8 path measured 0.0512
-LOGITS_REL_L2 = 0.08
-# the same comparisons' argmax agreement: that probe flipped 8 (bf16) / 11 (fp8) of the 160 argmaxes
-# and an AVX2 CPU's chunk plans and fast numerics up to 16; 24 flips (about twice the probe's) allowed
-ARGMAX_AGREEMENT = 0.85
+# End to end: logits against the golden, or against another plan of the same prompt (chunks,
+# padding, fast numerics). On the fixture CPU, the golden README's expectation ("Recommendations", 3):
+LOGITS_REL_L2 = 0.05
+# Off it the exact path is itself a chain of last-bit differences away: the reference's own +-1 ulp
+# probe at the block-0 input moves the logits by rel L2 0.030 (bf16) / 0.053 (fp8) (golden README,
+# "Full model"), and an AVX2 CPU's exact fp8 path measured 0.0512
+OFF_FIXTURE_LOGITS_REL_L2 = 0.08
+# that probe flipped 8 (bf16) / 11 (fp8) of the 160 prefill argmaxes, and an AVX2 CPU's chunk plans and
+# fast numerics up to 16: off the fixture CPU 24 flips (about twice the probe's) are allowed
+OFF_FIXTURE_ARGMAX_AGREEMENT = 0.85
 # greedy tokens: the first ones must agree; past a flipped near-tie the continuation is another text
 TOKENS_PREFIX = 2
 
@@ -104,6 +106,18 @@ def _probe() -> tuple[bool, str]:
 def fixture_cpu() -> bool:
     """True where this CPU's fp32 and bf16 GEMMs reproduce the fixture machine's (the module docstring's probe)."""
     return _probe()[0]
+
+
+def logits_rel_l2() -> float:
+    """The end-to-end logits bound (rel L2) on this CPU: :data:`LOGITS_REL_L2` on the fixture CPU,
+    :data:`OFF_FIXTURE_LOGITS_REL_L2` elsewhere."""
+    return LOGITS_REL_L2 if fixture_cpu() else OFF_FIXTURE_LOGITS_REL_L2
+
+
+def argmax_agreement(on_fixture: float) -> float:
+    """A test's floor for the fraction of equal argmaxes on this CPU: its own `on_fixture` on the
+    fixture CPU, at most :data:`OFF_FIXTURE_ARGMAX_AGREEMENT` elsewhere."""
+    return on_fixture if fixture_cpu() else min(on_fixture, OFF_FIXTURE_ARGMAX_AGREEMENT)
 
 
 def probe_report() -> str:

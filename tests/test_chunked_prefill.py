@@ -16,11 +16,11 @@ Against the golden one-shot prefill (numerics="exact", CPU):
   width it ranks, and a chunk ranks fewer (not yet existing) positions than one prefill. The
   first position where a chunked run differs must be one of the ties the golden meta lists
   (`finite_boundary_ties`); past it the tiny model's chaos (README "Tolerances") applies, so the
-  logits are held to the README's end-to-end bounds.
+  logits are held to the end-to-end bounds (`golden_bits.logits_rel_l2` / `argmax_agreement`).
 - **Chunks of 5-7 rows (mod 8)**: torch's vectorized CPU `sigmoid` rounds some elements of a
   partial trailing vector differently, so the mHC mixes of such a chunk (a ``[B, S, hc]``
   sigmoid) can differ by an ulp from the one-shot's: a kernel whose rounding depends on the number
-  of rows. Held per block (every block output) and end to end within the README's bounds.
+  of rows. Held per block (every block output) and end to end within those bounds.
 """
 
 from __future__ import annotations
@@ -41,10 +41,20 @@ from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
 from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from deepseek_v41_vl.modeling.debug_deepseek_v41_vl import capture_intermediates
 
-from golden_bits import ARGMAX_AGREEMENT, CHAIN_REL_L2, LOCAL_REL_L2, LOGITS_REL_L2, assert_golden, fixture_cpu, record_deviation
+from golden_bits import (
+    CHAIN_REL_L2,
+    LOCAL_REL_L2,
+    argmax_agreement,
+    assert_golden,
+    fixture_cpu,
+    logits_rel_l2,
+    record_deviation,
+)
 from golden_models import DECODE_STEPS, VARIANTS, golden_model, run_inputs
 from helpers import rel_l2
 
+# README "Recommendations", 3: end to end without bit-exactness (on the fixture CPU; golden_bits)
+ARGMAX_AGREEMENT = 0.93
 # per block: the README's +-1 ulp probe moves block_out.7 by rel L2 0.025 (bf16) / 0.044 (fp8)
 BLOCK_REL_L2 = 0.05
 
@@ -146,8 +156,8 @@ def test_chunks_without_the_prompt_length_differ_only_from_a_top_k_tie_on(golden
         elif differing and differing[0] not in ties:
             # off the fixture CPU the one-shot prefill itself differs from the golden (golden_bits.py)
             record_deviation(f"first differing position {differing[0]}, not a top-k tie: not checked on this CPU")
-        assert rel_l2(logits, want) < LOGITS_REL_L2
-        assert (logits.argmax(-1) == want.argmax(-1)).float().mean() >= ARGMAX_AGREEMENT
+        assert rel_l2(logits, want) < logits_rel_l2()
+        assert (logits.argmax(-1) == want.argmax(-1)).float().mean() >= argmax_agreement(ARGMAX_AGREEMENT)
         for name, got in blocks.items():
             assert rel_l2(got, tensors[f"prefill.{name}"]) < BLOCK_REL_L2, name
 
@@ -167,8 +177,8 @@ def test_chunks_of_row_dependent_rounding_stay_within_bounds(golden, variant, ru
         assert set(blocks) == {f"block_out.{i}" for i in range(model.config.text_config.num_hidden_layers)}
         for name, got in blocks.items():
             assert rel_l2(got, tensors[f"prefill.{name}"]) < BLOCK_REL_L2, (step, name)
-        assert rel_l2(logits, want) < LOGITS_REL_L2, step
-        assert (logits.argmax(-1) == want.argmax(-1)).float().mean() >= ARGMAX_AGREEMENT, step
+        assert rel_l2(logits, want) < logits_rel_l2(), step
+        assert (logits.argmax(-1) == want.argmax(-1)).float().mean() >= argmax_agreement(ARGMAX_AGREEMENT), step
 
 
 def test_image_span_rows_are_the_merged_embeddings(golden):
@@ -230,8 +240,8 @@ def test_fast_numerics_chunked_prefill_is_close(golden, variant):
         want = model(**inputs, logits_to_keep=0).logits
     for bounds in (list(range(0, 160, 7)) + [160],):
         logits, _, _ = prefill_in_chunks(model, inputs, bounds, prompt_length_known=False)
-        assert rel_l2(logits, want) < LOGITS_REL_L2
-        assert (logits.argmax(-1) == want.argmax(-1)).float().mean() >= ARGMAX_AGREEMENT
+        assert rel_l2(logits, want) < logits_rel_l2()
+        assert (logits.argmax(-1) == want.argmax(-1)).float().mean() >= argmax_agreement(ARGMAX_AGREEMENT)
 
 
 # ------------------------------------------------------------------ attention-level semantics

@@ -12,8 +12,9 @@ import torch
 import deepseek_v41_vl  # noqa: F401  (registers the Auto classes)
 from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
 from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41ModelError
-from golden_bits import ARGMAX_AGREEMENT, CHAIN_REL_L2, LOGITS_REL_L2, assert_golden
+from golden_bits import CHAIN_REL_L2, argmax_agreement, assert_golden, logits_rel_l2
 from helpers import rel_l2
+from test_chunked_prefill import ARGMAX_AGREEMENT
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -79,8 +80,8 @@ def test_without_the_prompt_length_a_later_turn_stays_within_the_chunk_bounds(ti
     cache = DeepseekV41Cache(tiny_model.config)
     _prefill(tiny_model, first, cache)
     got = _prefill(tiny_model, {k: second[k] for k in ("input_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw")}, cache)
-    assert rel_l2(got, want) < LOGITS_REL_L2
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= ARGMAX_AGREEMENT
+    assert rel_l2(got, want) < logits_rel_l2()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= argmax_agreement(ARGMAX_AGREEMENT)
 
 
 def test_a_cache_of_another_batch_is_refused(tiny_model, turns):

@@ -11,7 +11,8 @@ So it is held to the golden README's bounds, not to bitwise equality:
   probe moves block_out.7 by 0.025 / 0.044), routed experts and index lists agreeing on >= 90 %
   of the rows (a flipped top-k choice gives an O(1) different row, README "Recommendations" 2);
 - end to end, prefill: logits within rel L2 0.05 and the argmax agreeing at >= 90 % of the
-  positions (README "Recommendations" 3 expects about 93 % or more).
+  positions (README "Recommendations" 3 expects about 93 % or more); off the fixture CPU 0.08 and
+  85 % (`golden_bits.logits_rel_l2` / `argmax_agreement`).
 
 Each is run with the default chunk budget (on these tiny shapes: no chunking) and with a tiny one
 that forces every chunked path (indexer chunks of a few queries, compressor chunks of single
@@ -30,12 +31,13 @@ from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import DeepseekV41Numeric
 from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState
 from deepseek_v41_vl.modeling.debug_deepseek_v41_vl import capture_intermediates
 
-from golden_bits import ARGMAX_AGREEMENT, LOGITS_REL_L2
+from golden_bits import argmax_agreement, logits_rel_l2
 from golden_models import VARIANTS, golden_model, load_golden_model, run_inputs
 from helpers import rel_l2
 
 BLOCK_REL_L2 = 0.05
 SELECTION_AGREEMENT = 0.9
+ARGMAX_AGREEMENT = 0.9  # on the fixture CPU (golden_bits.argmax_agreement)
 # elements per chunk intermediate: forces chunks of a few queries on the tiny models
 TINY_BUDGET = 2000
 BUDGETS = {"default": numerics_module.FAST_MAX_ELEMENTS, "chunked": TINY_BUDGET}
@@ -95,9 +97,9 @@ def test_fast_prefill_end_to_end_within_bounds(golden, monkeypatch, variant, run
         logits = model(**inputs, logits_to_keep=0).logits
     want = tensors["prefill.logits"]
     assert logits.shape == want.shape
-    assert rel_l2(logits, want) < LOGITS_REL_L2
+    assert rel_l2(logits, want) < logits_rel_l2()
     agree = (logits.argmax(-1) == want.argmax(-1)).float().mean().item()
-    assert agree >= ARGMAX_AGREEMENT, agree
+    assert agree >= argmax_agreement(ARGMAX_AGREEMENT), agree
 
 
 def test_a_numerics_switch_reaches_the_vision_tower_and_keeps_chosen_backends(golden):

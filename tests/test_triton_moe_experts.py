@@ -339,6 +339,10 @@ def test_bad_input_raises(monkeypatch):
         run(x, w, ids, table, config={"splits": 2})
     with pytest.raises(MoEExpertsError, match="ptx_decode"):
         run(x, w, ids, table, mma="manual", config={"ptx_decode": True})
+    with pytest.raises(MoEExpertsError, match="ptx_decode"):
+        run(x, w, ids, table, mma="manual", config={"ptx_decode": "no"})
+    with pytest.raises(MoEExpertsError, match="block_m"):
+        run(x, w, ids, table, config={"block_m": 16.0})
     monkeypatch.setenv(moe_experts.ENV_MMA, "wgmma")
     with pytest.raises(MoEExpertsError, match=moe_experts.ENV_MMA):
         run(x, w, ids, table)

@@ -39,8 +39,10 @@ and bit handling keeps interpreter and GPU in agreement.
 
 Also here, for the decode kernels (`moe_experts.py`, `quant_linear.py`) on the GPU only (inline PTX,
 which the interpreter cannot run): :func:`fp4_pairs_to_bf16_ptx` and :func:`e4m3_to_bf16_ptx`
-decode weight bytes to exact bf16 values with integer and bf16x2 instructions, and
-:func:`e8m0_to_fp32` and :func:`e8m0_to_bf16` give a scale as fp32 or bf16 (the package's only e8m0 rule).
+decode weight bytes to exact bf16 values with integer and bf16x2 instructions. For every kernel,
+interpreted or compiled: :func:`e8m0_to_fp32` and :func:`e8m0_to_bf16` turn scale bytes into the
+scale itself (a kernel that folds the scale into another power of 2, the ``(b + 14) << 23`` factors
+here and in `moe_prefill.py`, builds its exponent field directly).
 
 Tiles: fp8 programs own 32 rows (one scale row) x ``groups`` 32-column scale blocks, loaded as a
 ``[32, groups, 32]`` tile so each scale broadcasts along its own axis; fp4 programs own

@@ -587,11 +587,13 @@ def moe_experts_triton(
             ``[0, E)`` (not checked: see the module docstring), distinct within a row.
         table: from :func:`build_expert_table` / :class:`ExpertTableCache`, on x's device.
         mma: ``"scaled"`` (``tl.dot_scaled``), ``"manual"``, or None: ``DEEPSEEK_V41_MOE_EXPERTS_MMA``,
-            else ``"scaled"`` where Triton has it. Ignored for bf16 experts.
+            else ``"manual"`` (the faster on an H200: `_default_mma`). Ignored for bf16 experts.
         config: per launch ``{"gate_up": (BLOCK_N, BLOCK_K, num_warps, num_stages), "down": (...),
             "block_m": 16}`` overrides (benchmarks sweep these); BLOCK_K is halved until it divides K.
             ``block_m`` (pairs of one expert per MMA, a power of 2) must be >= 16 on the GPU;
-            ``ptx_decode`` (default: on the GPU) picks the inline-PTX fp4 decode for ``"manual"``.
+            ``ptx_decode`` (a bool; default: on the GPU) picks the inline-PTX fp4 decode for
+            ``"manual"``; ``splits`` (``{"gate_up": S, "down": S}``, ints >= 1, capped at the
+            launch's K blocks; default `_default_splits`) splits each launch along K.
 
     Returns:
         fp32 ``[T, D]``: the sum over each row's k experts, in ascending expert id.
@@ -636,16 +638,18 @@ def moe_experts_triton(
     if (
         not isinstance(splits, Mapping)
         or set(splits) != {"gate_up", "down"}
-        or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in splits.values())
+        or any(type(v) is not int or v < 1 for v in splits.values())  # bools are ints to isinstance
     ):
         raise MoEExpertsError(f"splits must map 'gate_up' and 'down' to ints >= 1, got {splits!r}")
-    block_m = int(config.get("block_m", 16))
-    if block_m < 1 or block_m & (block_m - 1) or (block_m < 16 and not interpret):
-        raise MoEExpertsError(f"block_m must be a power of 2 (>= 16 on the GPU), got {block_m}")
+    block_m = config.get("block_m", 16)
+    if type(block_m) is not int or block_m < 1 or block_m & (block_m - 1) or (block_m < 16 and not interpret):
+        raise MoEExpertsError(f"block_m must be a power of 2 (>= 16 on the GPU), got {block_m!r}")
     block_p = max(16, triton.next_power_of_2(n_pairs))
     # fp4-manual on the GPU: the inline-PTX decode (`dequant.fp4_pairs_to_bf16_ptx`); False keeps
     # the portable integer / float decode the interpreter runs (benchmarks compare the two)
-    ptx_decode = bool(config.get("ptx_decode", not interpret))
+    ptx_decode = config.get("ptx_decode", not interpret)
+    if not isinstance(ptx_decode, bool):
+        raise MoEExpertsError(f"ptx_decode must be a bool, got {ptx_decode!r}")
     if ptx_decode and interpret:
         raise MoEExpertsError("ptx_decode needs the GPU: the Triton interpreter cannot run inline PTX")
     scale_base = table.scale_base if table.scale_base is not None else table.offsets  # dummy, never read
