@@ -99,8 +99,9 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _bf16_rne(y):
-        """fp32 -> bf16 rounded to nearest even on the integer bits (subnormals included).
+    def bf16_rne(y):
+        """fp32 -> bf16 rounded to nearest even on the integer bits (subnormals included: the
+        interpreter's cast does not round them as the GPU does).
 
         NaN needs its own case: adding the rounding bias to a NaN with low payload bits set (the
         GPU's canonical 0x7FFFFFFF) would carry into the sign bit.
@@ -225,8 +226,8 @@ if triton is not None:
         else:
             # torch's own product, value * scale.float(), then round to nearest even
             scale = e8m0_to_fp32(sb)[:, :, None]
-            lo = _bf16_rne((x_lo * 16384.0) * scale)
-            hi = _bf16_rne((x_hi * 16384.0) * scale)
+            lo = bf16_rne((x_lo * 16384.0) * scale)
+            hi = bf16_rne((x_hi * 16384.0) * scale)
         return tl.reshape(tl.join(lo, hi), (ROWS, GROUPS, 32))  # even element (low nibble) first
 
     @triton.jit
@@ -262,7 +263,7 @@ if triton is not None:
             out = (x * factor[None, :, None]).to(tl.bfloat16)
         else:
             # torch's own product, w.float() * scale.float(), then round to nearest even
-            out = _bf16_rne((x * 256.0) * e8m0_to_fp32(sb)[None, :, None])
+            out = bf16_rne((x * 256.0) * e8m0_to_fp32(sb)[None, :, None])
         tl.store(o_ptr + row0.to(tl.int64) * stride_o + r * stride_o + col, out, mask=ok)
 
     @triton.jit

@@ -50,7 +50,7 @@ from .kernel_backend import triton_interpret_mode
 from .moe_expert_table import _FORMATS, QUANT_GROUP, ExpertWeightTable
 
 if triton is not None:
-    from .dequant import _e4m3_scaled_f32, e8m0_to_fp32, fp4_tile_to_bf16
+    from .dequant import _e4m3_scaled_f32, bf16_rne, e8m0_to_fp32, fp4_tile_to_bf16
     from .moe_experts import _fake_quant_rows_kernel
 
 __all__ = [
@@ -73,15 +73,6 @@ class MoEPrefillError(ValueError):
 
 
 if triton is not None:
-
-    @triton.jit
-    def _to_bf16_rne(y):
-        # fp32 -> bf16 rounded to nearest even on the bits, subnormals included (the interpreter's
-        # cast does not round bf16 subnormals as the GPU does); NaN kept NaN
-        bits = y.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        rounded = tl.where(y != y, 0x7FC0, rounded)
-        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
     def _dequant_experts_kernel(
@@ -137,7 +128,7 @@ if triton is not None:
                     factor = ((sb + 8) << 23).to(tl.float32, bitcast=True)[:, :, None]
                     out = (x * factor).to(tl.bfloat16)
                 else:
-                    out = _to_bf16_rne((x * 256.0) * e8m0_to_fp32(sb)[:, :, None])
+                    out = bf16_rne((x * 256.0) * e8m0_to_fp32(sb)[:, :, None])
         tl.store(out_base + r * K + col, out, mask=ok)
 
 
