@@ -332,16 +332,21 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         print(lines[-1], flush=True)
 
+    def profile_rows(inputs, what: str) -> None:
+        try:
+            lines.extend(["", *profile_steps(model, inputs, device, what), ""])
+        except Exception as exc:  # a profiler failure must not cost the measured rows
+            lines.extend(["", f"- profile failed: {type(exc).__name__}: {exc}", ""])
+        print("\n".join(lines[-30:]), flush=True)
+
+    def distinct_prompts(b: int):
+        return chat_inputs(processor, [(f"Say {n} in words.", []) for n in range(100, 100 + b)], device)
+
     photo = PHOTOS[0]
     if "image" in args.cases:
         row("image chat prompt", chat_inputs(processor, [(TEXT, [photo])], device), loop=True)
     if args.profile:
-        try:
-            lines += ["", *profile_steps(model, chat_inputs(processor, [(TEXT, [photo])], device), device,
-                                         "image prompt, batch 1"), ""]
-        except Exception as exc:  # a profiler failure must not cost the measured rows
-            lines += ["", f"- profile failed: {type(exc).__name__}: {exc}", ""]
-        print("\n".join(lines[-30:]), flush=True)
+        profile_rows(chat_inputs(processor, [(TEXT, [photo])], device), "image prompt, batch 1")
     if args.host_profile:
         host_profile(model, chat_inputs(processor, [(TEXT, [photo])], device), device)
     if "text" in args.cases:
@@ -359,16 +364,11 @@ def main(argv=None) -> int:
     if "distinct" in args.cases:
         # distinct rows of one length (no padding): each row routes to its own experts
         for b in BATCHES[1:] if not args.quick else [2]:
-            inputs = chat_inputs(processor, [(f"Say {n} in words.", []) for n in range(100, 100 + b)], device)
+            inputs = distinct_prompts(b)
             padded = bool((inputs["attention_mask"] == 0).any())
             row("distinct text prompts" + (" (padded)" if padded else ""), inputs)
     if args.profile_distinct:
-        inputs = chat_inputs(processor, [(f"Say {n} in words.", []) for n in range(100, 100 + args.profile_distinct)], device)
-        try:
-            lines += ["", *profile_steps(model, inputs, device, f"distinct text prompts, batch {args.profile_distinct}"), ""]
-        except Exception as exc:  # a profiler failure must not cost the measured rows
-            lines += ["", f"- profile failed: {type(exc).__name__}: {exc}", ""]
-        print("\n".join(lines[-30:]), flush=True)
+        profile_rows(distinct_prompts(args.profile_distinct), f"distinct text prompts, batch {args.profile_distinct}")
     if "padded" in args.cases:
         for b in PADDED_BATCHES if not args.quick else [2]:
             prompts = [(TEXT + " Please." * (i % 5), [photo] if i % 2 == 0 else []) for i in range(b)]
