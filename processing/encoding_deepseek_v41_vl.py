@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from .errors_deepseek_v41_vl import DeepseekV41ProcessorError
@@ -462,41 +463,71 @@ def mark_image_blocks(
     return marked, found
 
 
-def _arguments_mapping(arguments: Any) -> Any:
-    """JSON-string tool arguments -> mapping, the way upstream `encode_arguments_to_dsml` reads them."""
+def _arguments_mapping(arguments: Any, where: str) -> Any:
+    """Tool-call arguments as a mapping: a mapping as it is, a JSON string of an object parsed
+    (double-encoded JSON tolerated, as upstream `encode_arguments_to_dsml` does).
+
+    Raises:
+        DeepseekV41ProcessorError: anything else (invalid JSON, a JSON array / number / string /
+            null, a list, a number, None): upstream would render it as one `arguments` parameter,
+            a call the tool's schema never describes.
+    """
+    if isinstance(arguments, Mapping):
+        return arguments
     if isinstance(arguments, str):
         parsed: Any = arguments
+        error = None
         for _ in range(2):  # tolerate double-encoded JSON, as upstream does
             if not isinstance(parsed, str):
                 break
             try:
                 parsed = json.loads(parsed)
-            except ValueError:
+            except ValueError as err:
+                error = err
                 break
-        return parsed if isinstance(parsed, dict) else {"arguments": arguments}
-    return arguments
+        if isinstance(parsed, dict):
+            return parsed
+        found = f"invalid JSON ({error})" if error is not None and parsed is arguments else f"JSON {type(parsed).__name__}"
+        raise DeepseekV41ProcessorError(
+            f"{where}: arguments must be a JSON object (a mapping, or a string holding one), got {found}: {arguments!r:.120}"
+        )
+    raise DeepseekV41ProcessorError(
+        f"{where}: arguments must be a JSON object (a mapping, or a string holding one), "
+        f"got {type(arguments).__name__}: {arguments!r:.120}"
+    )
 
 
 def normalize_tool_call_arguments(messages: list[Any]) -> list[Any]:
     """A copy of `messages` whose tool-call `arguments` JSON strings are parsed into mappings.
 
     The chat template renders each argument as a DSML parameter and needs a mapping; OpenAI
-    clients send a JSON string. A string that is not a JSON object becomes
-    `{"arguments": <the string>}`, as upstream does. Messages that are not dicts are left alone.
+    clients send a JSON string. Messages that are not dicts, and calls that are not dicts or have
+    no `arguments` (the template names those), are left alone.
+
+    Raises:
+        DeepseekV41ProcessorError: `arguments` that are not a JSON object: invalid JSON
+            (`'{not json'`), a JSON array / number / string / null, or a list, number or None.
+            Upstream wraps them as `{"arguments": ...}`, which renders a call with a parameter the
+            tool does not have; the message names the message and call.
     """
     out = []
-    for message in messages:
+    for index, message in enumerate(messages):
         if isinstance(message, dict) and isinstance(message.get("tool_calls"), list):
             message = dict(message)
             calls = []
-            for call in message["tool_calls"]:
+            for number, call in enumerate(message["tool_calls"]):
                 if isinstance(call, dict):
                     call = dict(call)
                     target = call.get("function") if isinstance(call.get("function"), dict) else None
-                    if target is not None:
-                        call["function"] = dict(target, arguments=_arguments_mapping(target.get("arguments")))
-                    elif "arguments" in call:
-                        call["arguments"] = _arguments_mapping(call["arguments"])
+                    holder = target if target is not None else call
+                    if "arguments" in holder:
+                        name = holder.get("name", call.get("name"))
+                        where = f"message {index} tool call {number} ({name!r})"
+                        arguments = _arguments_mapping(holder["arguments"], where)
+                        if target is not None:
+                            call["function"] = dict(target, arguments=arguments)
+                        else:
+                            call["arguments"] = arguments
                 calls.append(call)
             message["tool_calls"] = calls
         out.append(message)

@@ -4,9 +4,10 @@ Every error is a `ValueError`, so callers that already guard against bad input w
 `except ValueError` keep working. The subclasses let a caller tell the cases apart:
 
 - :class:`DeepseekV41ImageError`: the input is not a usable image (cannot be read or decoded,
-  zero area, unsupported object, URL not allowed).
-- :class:`DeepseekV41ImageTooLargeError`: the header announces more pixels than the
-  decompression-bomb cap allows; raised before any pixel is decoded.
+  zero area, unsupported object, URL not allowed, a path that is not a regular file).
+- :class:`DeepseekV41ImageTooLargeError`: the header announces more pixels (or decoded memory)
+  than the decompression-bomb cap allows, or more encoded bytes than the byte cap; raised before
+  any pixel is decoded. Also a decoder's `MemoryError`.
 - :class:`DeepseekV41ImagePlanError`: no patch grid fits the token budget (the reference
   `inference/image_processor.py: safe_resize` asserts instead).
 """
@@ -23,7 +24,8 @@ class DeepseekV41ImageError(DeepseekV41ProcessingError):
 
 
 class DeepseekV41ImageTooLargeError(DeepseekV41ImageError):
-    """The image header announces more pixels than `max_image_pixels` (decompression-bomb guard)."""
+    """The image is over `max_image_pixels` (pixels or decoded memory, from its header) or
+    `max_image_bytes`, or decoding it ran out of memory (decompression-bomb guard)."""
 
 
 class DeepseekV41ImagePlanError(DeepseekV41ProcessingError):
@@ -40,7 +42,8 @@ __all__ = [
 
 class DeepseekV41ProcessorError(DeepseekV41ProcessingError):
     """Bad text or chat input to the processor: placeholder/image count mismatch, an image
-    placeholder inside chat text, an invalid chat-template option, a malformed completion."""
+    placeholder inside chat text, text that is not valid Unicode, tool-call arguments that are not
+    a JSON object, an invalid chat-template option, a malformed completion."""
 
 
 __all__.append("DeepseekV41ProcessorError")

@@ -29,6 +29,7 @@ import math
 import numbers
 import operator
 import os
+import stat
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,9 +50,25 @@ from .errors_deepseek_v41_vl import (
     DeepseekV41ProcessingError,
 )
 
-# Pillow's own hard limit with its default settings (2 * Image.MAX_IMAGE_PIXELS): the largest image
-# the reference can decode, so the default cap refuses nothing the reference accepts.
-DEFAULT_MAX_IMAGE_PIXELS = 2 * (1024 * 1024 * 1024 // 4 // 3)
+# Default decompression-bomb cap on width * height: 50,000,000 pixels (e.g. 8660 x 5773).
+# The released resize plan (1024 tokens, patch 14, merge 3) never gives the model more than about
+# 1.8 Mpx (1512 x 1134 for a 4:3 photo, 42882 x 42 for the widest strip), so every larger image is
+# downscaled first; the cap leaves a margin of about 28 times that, which a 48- or 50-megapixel
+# camera photo at full resolution still fits (8160 x 6120 = 49.9 Mpx). Pillow's own limit
+# (2 * Image.MAX_IMAGE_PIXELS = 178956970) let a few-kilobyte animated WebP announcing a 171 Mpx
+# canvas decode for 24 s into 3.2 GB; at this cap the worst such canvas decodes into well under
+# 1 GB. It is also the server's default (`serve_policy.ServeLimits.max_image_pixels`).
+DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
+
+# Default cap on an image's encoded size (file, bytes, data URL payload, URL body): 20 MiB, as the
+# server's `--max-image-bytes`. It also bounds reads from sources of unknown size (file objects,
+# URLs), which would otherwise read until the source ends.
+DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
+
+# Decoded bytes per pixel that the pixel cap stands for: Pillow stores an 8-bit RGB / RGBA pixel
+# in 4 bytes. Images whose decoded samples take more (16-bit-per-channel RGB / RGBA / LA) are
+# capped by this memory instead of their pixel count alone (see `_decoded_bytes_per_pixel`).
+CAP_BYTES_PER_PIXEL = 4
 
 # The smallest span, a 1x1 token grid: IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END.
 MIN_IMAGE_TOKENS = image_span_length(1, 1)
@@ -214,10 +231,20 @@ def array_to_image(array: np.ndarray | torch.Tensor) -> Image.Image:
 
     Raises:
         DeepseekV41ImageError: another rank, channel count or dtype; floats outside [0, 1] or not
-            finite; an empty array.
+            finite; an empty array; a tensor whose values cannot be read (on the meta device, or
+            a layout / dtype NumPy cannot hold, e.g. sparse or bfloat16).
     """
     if isinstance(array, torch.Tensor):
-        array = array.detach().cpu().numpy()
+        if array.device.type == "meta":
+            raise DeepseekV41ImageError(
+                f"image tensor {tuple(array.shape)} is on the meta device: it has no values to read"
+            )
+        try:
+            array = array.detach().cpu().numpy()
+        except (RuntimeError, TypeError, NotImplementedError) as err:
+            raise DeepseekV41ImageError(
+                f"cannot read image tensor {tuple(array.shape)} {array.dtype} ({array.layout}) as an array: {err}"
+            ) from err
     if array.ndim == 3:
         if array.shape[0] in (1, 3, 4):
             array = np.moveaxis(array, 0, -1)
@@ -286,17 +313,56 @@ def _read_source(src: Any, allow_urls: bool, max_image_bytes: int | None) -> byt
                 return base64.b64decode(payload, validate=True)
             except ValueError as err:
                 raise DeepseekV41ImageError(f"data URL payload is not valid base64: {err}") from err
-        try:
-            _check_bytes(os.path.getsize(src), max_image_bytes)
-            with open(src, "rb") as file:
-                data = file.read() if max_image_bytes is None else file.read(max_image_bytes + 1)
-        except OSError as err:
-            raise DeepseekV41ImageError(f"cannot read image file {src!r}: {err}") from err
-        _check_bytes(len(data), max_image_bytes, at_least=True)  # the file may have grown since
-        return data
+        return _read_file(src, max_image_bytes)
     raise DeepseekV41ImageError(
         f"unsupported image input of type {type(src).__name__}: pass a path, bytes, a binary file object, a PIL image, or a numpy array / torch tensor"
     )
+
+
+def _read_file(path: str, max_image_bytes: int | None) -> bytes:
+    """The bytes of the regular file at `path`, refusing anything else before reading.
+
+    The file is opened non-blocking and checked with `fstat` on the open descriptor (so the check
+    and the read see the same file): a FIFO or a character device (`/dev/zero`, a terminal) would
+    block or never end, a directory has no bytes. The size is checked against `max_image_bytes`
+    before reading, and the read stops one byte past the cap (the file may grow meanwhile).
+    """
+    if "\0" in path:
+        raise DeepseekV41ImageError(f"image path {path!r} contains a NUL byte: not a valid file name")
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except (OSError, ValueError) as err:  # ValueError: a name the OS cannot take
+        raise DeepseekV41ImageError(f"cannot read image file {path!r}: {err}") from err
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise DeepseekV41ImageError(
+                f"image path {path!r} is not a regular file but {_file_kind(info.st_mode)}: "
+                "only regular files are read"
+            )
+        _check_bytes(info.st_size, max_image_bytes)
+        file, fd = os.fdopen(fd, "rb"), None  # the file object owns the descriptor now
+        with file:
+            data = file.read() if max_image_bytes is None else file.read(max_image_bytes + 1)
+    except OSError as err:
+        raise DeepseekV41ImageError(f"cannot read image file {path!r}: {err}") from err
+    finally:
+        if fd is not None:
+            os.close(fd)
+    _check_bytes(len(data), max_image_bytes, at_least=True)  # the file may have grown since
+    return data
+
+
+def _file_kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), f"a special file (mode {mode:o})")
 
 
 def _check_bytes(size: int, max_image_bytes: int | None, at_least: bool = False) -> None:
@@ -312,7 +378,7 @@ def load_image(
     max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
     exif_orientation: str = "ignore",
     allow_urls: bool = False,
-    max_image_bytes: int | None = None,
+    max_image_bytes: int | None = DEFAULT_MAX_IMAGE_BYTES,
 ) -> Image.Image:
     """Open one image as an RGB PIL image, as `inference/image_processor.py: load_image` does.
 
@@ -324,25 +390,31 @@ def load_image(
 
     Args:
         src: the image.
-        max_image_pixels (`int`, *optional*): decompression-bomb cap on width * height, checked from
-            the header before any pixel is decoded. `None` disables this check (Pillow's own global
-            limit, `PIL.Image.MAX_IMAGE_PIXELS`, still applies while opening).
+        max_image_pixels (`int`, *optional*, defaults to 50,000,000): decompression-bomb cap,
+            checked from the header before any pixel is decoded: width * height must not exceed
+            it, and neither may the decoded memory, width * height * bytes per decoded pixel, exceed
+            that of an 8-bit RGB image at the cap (4 * max_image_pixels bytes; only 16-bit RGB /
+            RGBA / LA images take more than 4 bytes a pixel). `None` disables both checks
+            (Pillow's own global limit, `PIL.Image.MAX_IMAGE_PIXELS`, still applies while opening).
         exif_orientation (`str`): "ignore" (the reference: stored pixel order) or "apply" (transpose
             by the EXIF Orientation tag first, as a viewer shows the image).
         allow_urls (`bool`): allow fetching http(s) URLs with urllib (off by default).
-        max_image_bytes (`int`, *optional*): cap on the encoded size in bytes, checked before
-            decoding (before reading, where the size is known first). `None`: no cap.
+        max_image_bytes (`int`, *optional*, defaults to 20 MiB): cap on the encoded size in bytes,
+            checked before decoding (before reading, where the size is known first; a file object
+            or URL is read to at most one byte past it). `None`: no cap.
 
     Returns:
         `PIL.Image.Image` in mode "RGB", fully loaded.
 
     Raises:
         DeepseekV41ImageError: unreadable, empty, truncated or non-image data (whatever exception
-            Pillow's decoder raises, `MemoryError` aside), zero area, unsupported input type, or a URL
-            while `allow_urls` is False.
-        DeepseekV41ImageTooLargeError: width * height > max_image_pixels, or beyond Pillow's own
-            limit, or more encoded bytes than max_image_bytes (the message names the cap that
-            refused it).
+            Pillow's decoder raises), zero area, unsupported input type, a path that is not a
+            regular file (FIFO, device, directory) or holds a NUL byte, or a URL while
+            `allow_urls` is False.
+        DeepseekV41ImageTooLargeError: width * height > max_image_pixels, decoded memory beyond
+            what the cap allows, beyond Pillow's own limit, more encoded bytes than
+            max_image_bytes (the message names the cap that refused it), or decoding ran out of
+            memory (Pillow's `MemoryError`).
     """
     if exif_orientation not in EXIF_ORIENTATION_POLICIES:
         raise DeepseekV41ImageError(
@@ -350,12 +422,12 @@ def load_image(
         )
     data = _read_source(src, allow_urls, max_image_bytes)
     if isinstance(data, Image.Image):
-        _check_size(data.width, data.height, max_image_pixels)
+        _check_size(data.width, data.height, max_image_pixels, data)
         try:
             image = ImageOps.exif_transpose(data) if exif_orientation == "apply" else data
             return image.convert("RGB")
-        except MemoryError:
-            raise
+        except MemoryError as err:
+            raise _out_of_memory(data) from err
         except Exception as err:  # whatever a Pillow decoder raises: the documented ValueError
             raise DeepseekV41ImageError(f"cannot decode image: {type(err).__name__}: {err}") from err
     if not data:
@@ -369,9 +441,12 @@ def load_image(
                 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             # Pillow reads only the header here; the bomb check runs before `convert` decodes pixels.
             with Image.open(io.BytesIO(data)) as source:
-                _check_size(source.width, source.height, max_image_pixels)
-                image = ImageOps.exif_transpose(source) if exif_orientation == "apply" else source
-                return image.convert("RGB")
+                _check_size(source.width, source.height, max_image_pixels, source)
+                try:
+                    image = ImageOps.exif_transpose(source) if exif_orientation == "apply" else source
+                    return image.convert("RGB")
+                except MemoryError as err:
+                    raise _out_of_memory(source) from err
     except DeepseekV41ProcessingError:
         raise
     except Image.DecompressionBombError as err:
@@ -390,8 +465,10 @@ def load_image(
         raise DeepseekV41ImageError(
             f"cannot identify image file ({len(data)} bytes): not an image format Pillow can read"
         ) from err
-    except MemoryError:
-        raise
+    except MemoryError as err:  # while opening: a header whose tables Pillow cannot allocate
+        raise DeepseekV41ImageTooLargeError(
+            f"cannot open image data ({len(data)} bytes): Pillow ran out of memory reading its header (MemoryError)"
+        ) from err
     except Exception as err:
         # e.g. "image file is truncated" (OSError), or a decoder's TypeError / NotImplementedError /
         # struct.error on a malformed header: every decoding failure is the documented ValueError
@@ -400,14 +477,69 @@ def load_image(
         ) from err
 
 
-def _check_size(width: int, height: int, max_image_pixels: int | None) -> None:
+def _check_size(width: int, height: int, max_image_pixels: int | None, image: Image.Image | None = None) -> None:
+    """Refuse a zero-area image, and one over the decompression-bomb cap (pixels, then decoded
+    memory from the mode of `image`), from its header: nothing is decoded."""
     if width <= 0 or height <= 0:
         raise DeepseekV41ImageError(f"image has zero area: {width}x{height} pixels (width x height)")
-    if max_image_pixels is not None and width * height > max_image_pixels:
+    if max_image_pixels is None:
+        return
+    if width * height > max_image_pixels:
         raise DeepseekV41ImageTooLargeError(
             f"image of {width}x{height} = {width * height} pixels exceeds max_image_pixels={max_image_pixels} "
             "(decompression-bomb guard)"
         )
+    per_pixel = _decoded_bytes_per_pixel(image) if image is not None else CAP_BYTES_PER_PIXEL
+    if width * height * per_pixel > max_image_pixels * CAP_BYTES_PER_PIXEL:
+        raise DeepseekV41ImageTooLargeError(
+            f"image of {width}x{height} pixels in mode {_mode_name(image)} decodes to {per_pixel} bytes a pixel, "
+            f"{width * height * per_pixel} bytes in all: more than max_image_pixels={max_image_pixels} allows "
+            f"({max_image_pixels * CAP_BYTES_PER_PIXEL} bytes, {CAP_BYTES_PER_PIXEL} a pixel; decompression-bomb guard)"
+        )
+
+
+def _raw_mode(image: Image.Image) -> str | None:
+    """The raw mode of the first tile the decoder will read (e.g. "RGBA;16B"), or None."""
+    for tile in getattr(image, "tile", None) or ():
+        args = tile[3] if len(tile) > 3 else None
+        if isinstance(args, tuple):
+            args = args[0] if args else None
+        return args if isinstance(args, str) else None
+    return None
+
+
+def _decoded_bytes_per_pixel(image: Image.Image) -> int:
+    """Bytes one pixel takes once decoded: the larger of Pillow's storage of `image.mode` (1 byte
+    for "1" / "L" / "P", 2 for "I;16*", 4 for every other mode) and the raw samples the decoder
+    reads (2 bytes a band for 16-bit-per-channel data: 8 for a 16-bit RGBA PNG, 6 for RGB, 4 for LA)."""
+    mode = image.mode
+    if mode in ("1", "L", "P"):
+        stored = 1
+    elif mode.startswith("I;16"):
+        stored = 2
+    else:
+        stored = 4
+    raw = _raw_mode(image) or ""
+    if ";16" in raw and not mode.startswith("I;16"):
+        try:
+            stored = max(stored, 2 * Image.getmodebands(raw.split(";")[0]))
+        except (KeyError, ValueError):  # a raw mode Pillow does not list: keep the storage size
+            pass
+    return stored
+
+
+def _mode_name(image: Image.Image | None) -> str:
+    if image is None:
+        return "?"
+    raw = _raw_mode(image)
+    return f"{image.mode!r}" + (f" (raw {raw!r})" if raw and raw != image.mode else "")
+
+
+def _out_of_memory(image: Image.Image) -> DeepseekV41ImageTooLargeError:
+    return DeepseekV41ImageTooLargeError(
+        f"image of {image.width}x{image.height} pixels in mode {_mode_name(image)} could not be decoded: "
+        "Pillow ran out of memory (MemoryError); set or lower max_image_pixels to refuse such images from their header"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -480,8 +612,9 @@ class DeepseekV41ImageProcessorKwargs(ImagesKwargs, total=False):
     min_pixels (`int`, defaults to 295936): smaller images are upscaled to about this area.
     max_wh_ratio (`float`, *optional*): width / height clamp; `None` in V4.1.
     pad_color (`tuple[int, int, int]`, defaults to (127, 127, 127)): padding colour.
-    max_image_pixels (`int`, *optional*): decompression-bomb cap on width * height.
-    max_image_bytes (`int`, *optional*): cap on an image's encoded size in bytes.
+    max_image_pixels (`int`, *optional*, defaults to 50,000,000): decompression-bomb cap on
+        width * height (and on the decoded memory, 4 bytes a pixel).
+    max_image_bytes (`int`, *optional*, defaults to 20 MiB): cap on an image's encoded size in bytes.
     exif_orientation (`str`, defaults to "ignore"): "ignore" or "apply".
     allow_urls (`bool`, defaults to False): allow fetching http(s) image URLs.
     """
@@ -532,11 +665,18 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
         max_wh_ratio (`float`, *optional*): width/height clamp (`vision_max_wh_ratio`, None in V4.1).
         pad_color (`tuple[int, int, int]`, defaults to (127, 127, 127)): `ImageOps.pad` colour.
         image_mean, image_std (`float` or 3 floats, default 0.5): normalisation, (x/255 - mean) / std.
-        max_image_pixels (`int`, *optional*, defaults to 178956970): decompression-bomb cap on
-            width * height, checked from the header BEFORE decoding (default: Pillow's own hard
-            limit, so nothing the reference decodes is refused). `None` disables the check.
-        max_image_bytes (`int`, *optional*): cap on an image's encoded size (file, bytes, data
-            URL payload), checked before decoding; `None` (the default) sets none.
+        max_image_pixels (`int`, *optional*, defaults to 50,000,000): decompression-bomb cap on
+            width * height, checked from the header BEFORE decoding; the decoded memory is capped
+            alike (width * height * decoded bytes a pixel <= 4 * max_image_pixels, which only
+            16-bit RGB / RGBA / LA images can exceed within the pixel count). The default is about
+            28 times the largest image the released resize plan feeds the model (~1.8 Mpx): a
+            50-megapixel photo fits (see `DEFAULT_MAX_IMAGE_PIXELS`). `None` disables the check
+            (Pillow's own limit, 178956970 pixels by default, still applies).
+        max_image_bytes (`int`, *optional*, defaults to 20 MiB = 20971520): cap on an image's
+            encoded size (file, bytes, data URL payload, file object or URL body), checked before
+            decoding; `None` sets none (reads from a file object or URL are then unbounded).
+            Paths must name regular files: a FIFO, a device (`/dev/zero`) or a directory is
+            refused before anything is read.
         exif_orientation (`str`, defaults to "ignore"): "ignore" keeps the stored pixel order like the
             reference (a photo with EXIF Orientation 6 stays sideways); "apply" transposes first.
 
@@ -575,7 +715,7 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
         image_mean: float | Sequence[float] = 0.5,
         image_std: float | Sequence[float] = 0.5,
         max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
-        max_image_bytes: int | None = None,
+        max_image_bytes: int | None = DEFAULT_MAX_IMAGE_BYTES,
         exif_orientation: str = "ignore",
         **kwargs,
     ):
@@ -854,6 +994,7 @@ def _flatten(images) -> list:
 
 
 __all__ = [
+    "DEFAULT_MAX_IMAGE_BYTES",
     "DEFAULT_MAX_IMAGE_PIXELS",
     "DeepseekV41ImageProcessor",
     "ImagePlan",

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import jinja2
+import numpy as np
 import torch
 from transformers import AutoTokenizer
 from transformers.feature_extraction_utils import BatchFeature
@@ -41,6 +42,7 @@ from transformers.processing_utils import ProcessorMixin
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import _get_template_variables, _normalize_chat_messages
 
+from .control_tokens_deepseek_v41_vl import ControlTokenMarkers, encode_as_text, split_marked
 from .encoding_deepseek_v41_vl import (
     IMAGE_PLACEHOLDER,
     collect_images,
@@ -76,6 +78,10 @@ _CALL_OPTIONS = {
     "max_length",
     "return_offsets_mapping",
     "return_text_replacement_offsets",
+    "split_special_tokens",
+    # set by `apply_chat_template(..., split_special_tokens=True)`: the markers around the control
+    # tokens typed in the messages (`control_tokens_deepseek_v41_vl`); not a user option
+    "_control_token_markers",
 }
 # transformers' structured form: `text_kwargs={...}` / `common_kwargs={...}` hold call options too
 _GROUPED_OPTIONS = ("text_kwargs", "common_kwargs")
@@ -86,6 +92,7 @@ _FLAG_OPTIONS = (
     "allow_urls",
     "return_offsets_mapping",
     "return_text_replacement_offsets",
+    "split_special_tokens",
 )
 # Image-processor settings that fix the span geometry (patch grid -> token grid). The model's
 # aligner merges patches with the config's ratio, so a per-call value would build spans the model
@@ -151,7 +158,7 @@ def _call_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     if options.get("sanitize_control_tokens"):
         raise DeepseekV41ProcessorError(
             "sanitize_control_tokens is not supported by DeepseekV41Processor: control tokens in the messages "
-            "would be tokenized as they are"
+            "would be tokenized as they are; use apply_chat_template(..., tokenize=True, split_special_tokens=True)"
         )
     options.pop("sanitize_control_tokens", None)
     moved = {key: options.pop(key) for key in list(options) if key in IMAGE_PROCESSOR_SETTINGS and key not in _CALL_OPTIONS}
@@ -171,6 +178,9 @@ def _check_call_options(kwargs: dict[str, Any]) -> None:
     for name in _FLAG_OPTIONS:
         if kwargs.get(name) is not None and not isinstance(kwargs[name], bool):
             raise DeepseekV41ProcessorError(f"{name} must be True or False, got {kwargs[name]!r}")
+    markers = kwargs.get("_control_token_markers")
+    if markers is not None and not isinstance(markers, ControlTokenMarkers):
+        raise DeepseekV41ProcessorError("_control_token_markers is set by apply_chat_template(split_special_tokens=True) only")
     multiple = kwargs.get("pad_to_multiple_of")
     if multiple is not None and (
         isinstance(multiple, bool) or not isinstance(multiple, numbers.Integral) or multiple <= 0
@@ -193,6 +203,34 @@ def _check_call_options(kwargs: dict[str, Any]) -> None:
             "model's aligner (config vision patch_size / downsample_ratio); build the image processor with "
             "them instead (DeepseekV41ImageProcessor.from_vision_config)"
         )
+
+
+def _check_unicode(text: str, where: str) -> None:
+    """Refuse a string the tokenizer cannot take: one that is not valid Unicode text (a lone
+    surrogate such as "\\ud800", from a bad decode or JSON escape, has no UTF-8 encoding)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise DeepseekV41ProcessorError(
+            f"{where} is not valid Unicode text: {text[err.start:err.end]!r} at character {err.start} is a lone "
+            "surrogate (half of a UTF-16 pair), which has no UTF-8 encoding"
+        ) from err
+
+
+def _int64_columns(data: dict[str, Any], return_tensors: str | None) -> dict[str, Any]:
+    """The token columns as int64 arrays / tensors when `return_tensors` asks for them
+    (`[B, S]`; `offset_mapping` `[B, S, 2]`), so an empty prompt is an int64 `[B, 0]`, not the float
+    tensor a conversion of empty lists would give. Without `return_tensors` they stay lists."""
+    if return_tensors is None:
+        return data
+    out = dict(data)
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids", "offset_mapping"):
+        if key in out:
+            rows = out[key]
+            shape = (len(rows), len(rows[0]) if rows else 0) + ((2,) if key == "offset_mapping" else ())
+            array = np.array(rows, dtype=np.int64).reshape(shape)
+            out[key] = torch.from_numpy(array) if return_tensors == "pt" else array
+    return out
 
 
 def _is_batched_conversation(conversation: Any) -> bool:
@@ -368,6 +406,11 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
             return_offsets_mapping (`bool`, default False): add `offset_mapping`, each token's
                 `(start, end)` characters in its prompt; an image span's tokens (expanded from the
                 placeholder as ids, not as text) and special or pad tokens are `(p, p)`, zero wide.
+            split_special_tokens (`bool`, default False): tokenize the text without matching any
+                added token (special or not: `<｜User｜>`, `</think>`, BOS, ...), as plain text; the
+                image placeholder still marks images. For chat messages use
+                `apply_chat_template(..., split_special_tokens=True)`, which keeps the template's
+                own tokens.
             return_text_replacement_offsets (`bool`): accepted, and nothing is added: no text is
                 replaced (the spans expand as ids), so the offsets above already count the
                 prompt's own characters (what `apply_chat_template(return_assistant_tokens_mask=True)`
@@ -379,13 +422,15 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
 
         Returns:
             `BatchFeature` with input_ids, attention_mask, mm_token_type_ids (lists by default,
-            tensors with `return_tensors`), `offset_mapping` when asked, and with images
+            int64 tensors / arrays with `return_tensors`, `[B, 0]` for an empty prompt),
+            `offset_mapping` when asked, and with images
             pixel_values and image_grid_thw (shapes in the module docstring).
 
         Raises:
             DeepseekV41ProcessorError: placeholder count != image count ("Found N image tokens but
                 got M images"), the tokenizer's own spelling of the image id in the text, text that
-                is not a string or list of strings, bad options (a flag that is not a bool;
+                is not a string or list of strings, text that is not valid Unicode (a lone
+                surrogate, which the tokenizer cannot encode), bad options (a flag that is not a bool;
                 pad_to_multiple_of or max_length not a positive int; return_tensors not "pt"/"np"/None;
                 a truncation that would cut an image span;
                 images_kwargs not a dict or setting patch_size / downsample_ratio), unequal lengths
@@ -415,8 +460,13 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
         if not prompts or not all(isinstance(prompt, str) for prompt in prompts):
             raise DeepseekV41ProcessorError("text must be a string or a non-empty list of strings")
 
-        pieces = [prompt.split(IMAGE_PLACEHOLDER) for prompt in prompts]
-        counts = [len(p) - 1 for p in pieces]
+        for sample, prompt in enumerate(prompts):
+            _check_unicode(prompt, f"prompt {sample}" if len(prompts) > 1 else "text")
+        pieces = [
+            self._prompt_pieces(prompt, kwargs.get("_control_token_markers"), bool(kwargs.get("split_special_tokens")))
+            for prompt in prompts
+        ]
+        counts = [sum(kind == "image" for kind, _, _ in prompt_pieces) for prompt_pieces in pieces]
         per_prompt_images = self._assign_images(images, counts)
         flat_images = [image for group in per_prompt_images for image in group]
 
@@ -432,43 +482,71 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
         with_offsets = bool(kwargs.get("return_offsets_mapping"))
         sequences, mm_types, offsets = [], [], []
         image_index = 0
-        for sample, segments in enumerate(pieces):
-            encoded = self.tokenizer(segments, add_special_tokens=False, return_offsets_mapping=with_offsets)
+        for sample, (prompt, prompt_pieces) in enumerate(zip(prompts, pieces)):
+            texts = [text for kind, text, _ in prompt_pieces if kind == "text"]
+            encoded = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=with_offsets) if texts else {}
             ids, types = list(prefix), [0] * len(prefix)
-            spans, char = [(0, 0)] * len(prefix), 0
-            for k, segment_ids in enumerate(encoded["input_ids"]):
-                if self.image_token_id in segment_ids:
-                    spelling = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
-                    raise DeepseekV41ProcessorError(
-                        f"prompt {sample} contains {spelling!r}, the tokenizer's spelling of the image token id "
-                        f"{self.image_token_id}; mark images with {IMAGE_PLACEHOLDER!r}"
-                    )
-                ids += segment_ids
-                types += [0] * len(segment_ids)
-                if with_offsets:
-                    spans += [(char + start, char + end) for start, end in encoded["offset_mapping"][k]]
-                char += len(segments[k])
-                if k < len(segments) - 1:
+            spans = [(0, 0)] * len(prefix)
+            k = 0
+            for kind, text, start in prompt_pieces:
+                if kind == "image":
                     n_llm_h, n_llm_w = llm_grids[image_index]
                     span = image_span_length(n_llm_h, n_llm_w)
                     ids += [self.image_token_id] * span
                     types += [1] * span
-                    spans += [(char, char)] * span
-                    char += len(IMAGE_PLACEHOLDER)
+                    spans += [(start, start)] * span
                     image_index += 1
+                    continue
+                if kind == "text":
+                    piece_ids = encoded["input_ids"][k]
+                    piece_offsets = encoded["offset_mapping"][k] if with_offsets else []
+                    k += 1
+                    if self.image_token_id in piece_ids:
+                        spelling = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+                        raise DeepseekV41ProcessorError(
+                            f"prompt {sample} contains {spelling!r}, the tokenizer's spelling of the image token id "
+                            f"{self.image_token_id}; mark images with {IMAGE_PLACEHOLDER!r}"
+                        )
+                else:  # "plain": a control token typed as text, or any text with split_special_tokens
+                    piece_ids, piece_offsets = encode_as_text(self.tokenizer, text)
+                ids += piece_ids
+                types += [0] * len(piece_ids)
+                if with_offsets:
+                    spans += [(start + a, start + b) for a, b in piece_offsets]
             ids += suffix
             types += [0] * len(suffix)
             sequences.append(ids)
             mm_types.append(types)
-            offsets.append(spans + [(char, char)] * len(suffix))
+            offsets.append(spans + [(len(prompt), len(prompt))] * len(suffix))
 
         columns = {"input_ids": sequences, "mm_token_type_ids": mm_types}
         if with_offsets:
             columns["offset_mapping"] = offsets
         self._truncate(columns, kwargs)
-        data = self._pad(columns, kwargs)
+        data = _int64_columns(self._pad(columns, kwargs), return_tensors)
         data.update(image_inputs)
         return BatchFeature(data=data, tensor_type=return_tensors)
+
+    @staticmethod
+    def _prompt_pieces(prompt: str, markers: ControlTokenMarkers | None, split_all: bool) -> list[tuple[str, str, int]]:
+        """`prompt` as `(kind, text, start)` pieces in order: "image" (a placeholder), "text"
+        (tokenized as usual) or "plain" (tokenized matching no added token: a control token the
+        messages held, between `markers`, or every text with `split_all`). `start` is the piece's
+        character position in `prompt`. A marked piece is never an image, whatever it holds."""
+        marked = split_marked(prompt, markers) if markers is not None else [(prompt, False, 0)]
+        pieces: list[tuple[str, str, int]] = []
+        for text, is_marked, start in marked:
+            if is_marked:
+                pieces.append(("plain", text, start))
+                continue
+            parts = text.split(IMAGE_PLACEHOLDER)
+            for k, part in enumerate(parts):
+                pieces.append(("plain" if split_all else "text", part, start))
+                start += len(part)
+                if k < len(parts) - 1:
+                    pieces.append(("image", IMAGE_PLACEHOLDER, start))
+                    start += len(IMAGE_PLACEHOLDER)
+        return pieces
 
     def _assign_images(self, images, counts: list[int]) -> list[list[Any]]:
         """Images per prompt, checking them against the placeholder counts."""
@@ -597,6 +675,15 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
         `</think>`, text, DSML tool calls and EOS: the template's `{% generation %}` blocks), 0 on
         the rest (headers, user and system turns, images).
 
+        `split_special_tokens=True` (with `tokenize=True`; off by default, as the reference encoder)
+        tokenizes the control tokens typed in the messages and tools (`<｜User｜>`, `<｜Assistant｜>`,
+        `</think>`, `｜DSML｜`, BOS, ... in user / system / assistant content, reasoning, tool results,
+        tool-call names and arguments) as ordinary text, so a user or a tool's output cannot forge a
+        turn; the template's own structure (BOS, role tokens, `</think>`, DSML tags, the image
+        placeholder of each image block) keeps its special ids, and the ids still decode to the
+        rendered text. Text without control tokens gets the default ids. The image placeholder
+        typed in text is refused either way (see `control_tokens_deepseek_v41_vl`).
+
         With `tokenize=True, return_dict=True` the images of the `{"type": "image"}` /
         `{"type": "image_url"}` blocks of the messages the template actually emits are loaded, in
         prompt order (context messages before `context_length`, or after `render_stop`, are not
@@ -609,8 +696,21 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
                 or mode, conflicting `thinking_mode` / `enable_thinking`, unknown role, bad
                 tools...); an emitted image block has no source (or several); a video / audio
                 block; `documents` (the template does not render them); or the images do
-                not match the placeholders.
+                not match the placeholders; `split_special_tokens` not a bool, or True without
+                `tokenize=True`; message text that is not valid Unicode (a lone surrogate).
         """
+        split = kwargs.pop("split_special_tokens", False)
+        processor_kwargs = dict(kwargs.get("processor_kwargs") or {})
+        if "split_special_tokens" in processor_kwargs:  # the same option, in the grouped form
+            split = processor_kwargs.pop("split_special_tokens") or split
+            kwargs = {**kwargs, "processor_kwargs": processor_kwargs}
+        if not isinstance(split, bool):
+            raise DeepseekV41ProcessorError(f"split_special_tokens must be True or False, got {split!r}")
+        if split and not kwargs.get("tokenize", False):
+            raise DeepseekV41ProcessorError(
+                "split_special_tokens=True needs tokenize=True: the rendered text cannot tell the control tokens "
+                "typed in the messages from the template's own, so tokenizing it later would match them all"
+            )
         conversations, batched = _normalized_conversations(conversation)
         conversation = conversations if batched else conversations[0]
         if kwargs.get("documents") is not None:
@@ -619,6 +719,7 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
             raise DeepseekV41ProcessorError("continue_final_message and add_generation_prompt cannot be combined")
         if kwargs.get("tools") is not None:
             kwargs = {**kwargs, "tools": _tool_schemas(kwargs["tools"])}
+        markers = None
         try:
             if kwargs.get("tokenize", False):
                 processor_kwargs = dict(kwargs.get("processor_kwargs") or {})
@@ -630,10 +731,18 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
                 # ProcessorMixin takes images from processor_kwargs["images"] (one list per conversation
                 # when batched); `_multimodal_inputs_from_conversations` below contributes none.
                 processor_kwargs["images"] = images if batched else images[0]
+                if split:
+                    # control tokens in the messages' and tools' strings are marked; the template's are not
+                    markers = ControlTokenMarkers.for_tokenizer(self.tokenizer)
+                    conversation = markers.mark(conversation)
+                    if kwargs.get("tools") is not None:
+                        kwargs = {**kwargs, "tools": markers.mark(kwargs["tools"])}
+                    processor_kwargs["_control_token_markers"] = markers
                 kwargs = {**kwargs, "processor_kwargs": processor_kwargs}
             return super().apply_chat_template(conversation, chat_template=chat_template, **kwargs)
         except jinja2.TemplateError as err:
-            raise DeepseekV41ProcessorError(str(err)) from err
+            message = str(err) if markers is None else markers.strip(str(err))
+            raise DeepseekV41ProcessorError(message) from err
 
     def _rendered_images(self, conversations, batched, chat_template, kwargs) -> list[list[Any]]:
         """The image sources each conversation's rendered prompt holds, in prompt order.

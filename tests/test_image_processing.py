@@ -35,6 +35,7 @@ from deepseek_v41_vl.processing.image_processing_deepseek_v41_vl import (
     DEFAULT_MAX_IMAGE_PIXELS,
     DeepseekV41ImageProcessor,
     load_image,
+    plan_image_grid,
 )
 from helpers import png_header_only
 
@@ -241,7 +242,7 @@ def test_bomb_refused_from_header_before_decoding():
 
 
 def test_bomb_beyond_pillow_limit_refused():
-    assert DeepseekV41ImageProcessor().max_image_pixels == DEFAULT_MAX_IMAGE_PIXELS == 178956970
+    assert DeepseekV41ImageProcessor().max_image_pixels == DEFAULT_MAX_IMAGE_PIXELS
     with pytest.raises(DeepseekV41ImageTooLargeError, match="decompression"):
         DeepseekV41ImageProcessor()(png_header_only(100000, 100000))
 
@@ -595,16 +596,16 @@ def test_return_tensors_is_checked():
 
 
 def test_pillow_bomb_warning_silenced_within_our_cap():
-    # 13000 x 13000 = 169M pixels: above Pillow's warning threshold (89M), within our default cap
-    # (179M). Our cap is checked from the header, so Pillow's warning is noise there; with the cap
-    # off it is the only guard left and stays.
+    # 13000 x 13000 = 169M pixels: above Pillow's warning threshold (89M), within a cap of 170M.
+    # Our cap is checked from the header, so Pillow's warning is noise there; with the cap off it
+    # is the only guard left and stays.
     data = png_header_only(13000, 13000)
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with pytest.raises(DeepseekV41ImageError, match="truncated|decode"):
-            DeepseekV41ImageProcessor()(data)
+            DeepseekV41ImageProcessor(max_image_pixels=170_000_000)(data)
     assert not [w for w in caught if issubclass(w.category, Image.DecompressionBombWarning)]
     with pytest.warns(Image.DecompressionBombWarning):
         with pytest.raises(DeepseekV41ImageError, match="truncated|decode"):
@@ -627,3 +628,123 @@ def test_preprocessing_then_forking_does_not_hang(golden):
     with multiprocessing.get_context("fork").Pool(2) as pool:
         got = pool.map_async(_preprocess_in_child, [path] * 4).get(timeout=60)
     assert got == [want] * 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Hardening: unreadable sources, the default caps, decoded memory.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_meta_tensor_is_refused_by_name():
+    # regression: torch's NotImplementedError ("Cannot copy out of meta tensor") escaped
+    with pytest.raises(DeepseekV41ImageError, match="meta device"):
+        load_image(torch.empty(3, 8, 8, device="meta"))
+
+
+def test_path_with_a_nul_byte_is_the_image_error(tmp_path):
+    # regression: os.path.getsize's plain ValueError ("embedded null byte")
+    with pytest.raises(DeepseekV41ImageError, match="NUL byte") as info:
+        DeepseekV41ImageProcessor()(str(tmp_path / "a\0b.png"))
+    assert "a\\x00b.png" in str(info.value)
+
+
+def test_paths_that_are_not_regular_files_are_refused_before_reading(tmp_path):
+    # regression: a FIFO blocked in open() forever; /dev/zero was read until memory ran out
+    import os
+    import threading
+
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    outcome = {}
+
+    def load():
+        try:
+            load_image(str(fifo))
+        except Exception as err:  # noqa: BLE001 - the test checks the type below
+            outcome["error"] = err
+
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    worker.join(timeout=20)
+    if worker.is_alive():  # unblock the reader so the thread ends, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("reading a FIFO blocked")
+    assert isinstance(outcome.get("error"), DeepseekV41ImageError), outcome
+    assert "FIFO" in str(outcome["error"]) and str(fifo) in str(outcome["error"])
+    # explicit byte cap so that the old unbounded read cannot run away here
+    with pytest.raises(DeepseekV41ImageError, match=r"'/dev/zero' is not a regular file but a character device"):
+        load_image("/dev/zero", max_image_bytes=1 << 20)
+    with pytest.raises(DeepseekV41ImageError, match="not a regular file but a directory"):
+        load_image(str(tmp_path))
+
+
+def test_default_byte_cap_bounds_every_read():
+    from deepseek_v41_vl.processing import image_processing_deepseek_v41_vl as module
+
+    cap = DeepseekV41ImageProcessor().max_image_bytes
+    assert cap is not None and cap == getattr(module, "DEFAULT_MAX_IMAGE_BYTES", None)
+    assert DeepseekV41ImageProcessor().to_dict()["max_image_bytes"] == cap
+    with pytest.raises(DeepseekV41ImageTooLargeError, match=f"more than {cap} bytes exceeds max_image_bytes={cap}"):
+        load_image(io.BytesIO(bytes(cap + 10)))
+
+
+def _png_rgba16(width: int, height: int) -> bytes:
+    """A 16-bit RGBA PNG header (plus a few bytes of pixel data) of width x height."""
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 16, 6, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(bytes(3))) + chunk(b"IEND", b"")
+
+
+def test_sixteen_bit_bomb_is_refused_by_its_decoded_memory():
+    # regression: a 68-byte PNG announcing 40,000,000 x 1 16-bit RGBA pixels raised Pillow's
+    # MemoryError. Within the pixel count of the default cap, its samples (8 bytes a pixel) exceed
+    # the memory the cap stands for, so it is refused from the header.
+    data = _png_rgba16(40_000_000, 1)
+    assert len(data) < 100 and 40_000_000 < DEFAULT_MAX_IMAGE_PIXELS
+    with pytest.raises(DeepseekV41ImageTooLargeError, match=r"40000000x1 pixels in mode 'RGBA'.*8 bytes a pixel"):
+        load_image(data)
+    # without the cap Pillow's MemoryError is still the project's error, naming the image
+    with pytest.raises(DeepseekV41ImageTooLargeError, match=r"40000000x1 .*out of memory"):
+        load_image(data, max_image_pixels=None)
+    # 8-bit images are capped by their pixel count alone (4 bytes a pixel at most)
+    assert not isinstance(_error(png_header_only(40_000_000, 1)), DeepseekV41ImageTooLargeError)
+
+
+def _error(data: bytes) -> Exception:
+    with pytest.raises(DeepseekV41ImageError) as info:
+        load_image(data)
+    return info.value
+
+
+def _animated_webp(width: int, height: int) -> bytes:
+    """A two-frame 16x16 animated WebP whose canvas (VP8X) claims width x height."""
+    out = io.BytesIO()
+    frames = [Image.new("RGB", (16, 16), color) for color in ((255, 0, 0), (0, 0, 255))]
+    frames[0].save(out, "WEBP", save_all=True, append_images=frames[1:], duration=50, lossless=True)
+    data = bytearray(out.getvalue())
+    at = data.index(b"VP8X") + 12
+    data[at : at + 3] = (width - 1).to_bytes(3, "little")
+    data[at + 3 : at + 6] = (height - 1).to_bytes(3, "little")
+    return bytes(data)
+
+
+def test_default_pixel_cap_refuses_a_small_animated_webp_bomb_and_keeps_real_photos():
+    # regression: a few-hundred-byte animated WebP announcing a 13000 x 13000 canvas (169 Mpx,
+    # under Pillow's own 179 Mpx limit) decoded for seconds into gigabytes.
+    data = _animated_webp(13000, 13000)
+    assert len(data) < 1000
+    assert DEFAULT_MAX_IMAGE_PIXELS < 13000 * 13000  # checked first: decoding it is what is refused
+    with pytest.raises(DeepseekV41ImageTooLargeError, match="13000x13000"):
+        DeepseekV41ImageProcessor()(data)
+    # the cap keeps the images the model can use: far above the largest image the released plan
+    # feeds it, and a full-resolution 50-megapixel camera photo (8160 x 6120) still passes it
+    plan_max = max(
+        plan.best_width * plan.best_height
+        for plan in (plan_image_grid(w, h) for w, h in [(4032, 3024), (3024, 4032), (100000, 1), (1, 100000), (8000, 8000)])
+    )
+    assert DEFAULT_MAX_IMAGE_PIXELS >= 20 * plan_max
+    assert not isinstance(_error(png_header_only(8160, 6120)), DeepseekV41ImageTooLargeError)
