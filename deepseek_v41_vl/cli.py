@@ -6,7 +6,9 @@ Subcommands:
           print the image plan (grids, span tokens), the generated text and timings (preprocess,
           vision, prefill, decode tokens/s). Without `--model` it builds (once, cached under
           ``$XDG_CACHE_HOME/deepseek-v41-vl/tiny-<seed>``, default ``~/.cache``) a tiny random
-          model with `make-tiny` + `convert` and uses that.
+          model with `make-tiny` + `convert` and uses that. Bad input (a folder that is not a
+          converted model, an image that is not a readable regular file or is over
+          `--max-image-bytes`) is one line on stderr and exit status 2.
     convert    Official checkpoint folder -> self-contained transformers model folder
                (`deepseek_v41_vl.conversion.convert.convert_checkpoint`).
     make-tiny  A small random checkpoint in the official format, with the real tokenizer
@@ -18,7 +20,9 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import stat
 import shutil
 import sys
 import tempfile
@@ -29,6 +33,7 @@ from pathlib import Path
 BUNDLED_PHOTO = "chelsea.png"  # scikit-image's `chelsea`, a real photo (451x300 RGB PNG)
 DEFAULT_PROMPT = "Describe this image."
 DEFAULT_MAX_NEW_TOKENS = 24
+DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024  # as `serve --max-image-bytes`
 
 
 def bundled_photo() -> Path:
@@ -80,7 +85,17 @@ def _build_parser() -> argparse.ArgumentParser:
     run.add_argument("--model", default=None, help="converted model folder (default: the cached tiny model)")
     run.add_argument("--image", action="append", default=None, help="image path or http(s) URL (repeatable); default: bundled photo")
     run.add_argument("--prompt", default=DEFAULT_PROMPT, help="user text that goes with the images")
-    run.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="tokens to generate (greedy)")
+    run.add_argument(
+        "--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
+        help=f"tokens to generate, greedy (default {DEFAULT_MAX_NEW_TOKENS}). Always passed: a converted folder's "
+        "generation_config sets max_new_tokens=32768 so that thinking-mode reasoning fits, and that is what "
+        "generate() and the pipeline use when no max_new_tokens is given (hours on a CPU)",
+    )
+    run.add_argument(
+        "--max-image-bytes", type=int, default=None,
+        help="refuse an image file or URL of more encoded bytes (default: the model folder's image processor "
+        f"setting, else {DEFAULT_MAX_IMAGE_BYTES}, 20 MiB)",
+    )
     run.add_argument("--numerics", choices=["fast", "exact"], default="fast", help="exact: every rounding point of the reference")
     run.add_argument("--seed", type=int, default=0, help="seed of the tiny model built when --model is not given")
     run.add_argument("--allow-urls", action="store_true", help=argparse.SUPPRESS)  # URLs are always allowed now
@@ -170,18 +185,93 @@ def _print_plan(inputs, image_processor, names: list[str]) -> None:
     print(f"prompt: {inputs['input_ids'].shape[-1]} tokens, {total} of them image tokens")
 
 
+def _tensor_names(folder: Path) -> list[str]:
+    """The tensor names of a folder's safetensors weights: its index's weight map, else the header of
+    its first ``model*.safetensors`` (nothing else is read). Empty when there are none."""
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+            return list(weight_map) if isinstance(weight_map, dict) else []
+        files = sorted(folder.glob("model*.safetensors"))
+        if files:
+            from safetensors import safe_open
+
+            with safe_open(str(files[0]), framework="pt") as f:
+                return list(f.keys())
+    except (OSError, ValueError, AttributeError):  # unreadable: not this check's to report
+        pass
+    return []
+
+
+def is_official_checkpoint(folder: Path) -> bool:
+    """Does `folder` look like an official checkpoint (what `convert` reads) rather than a converted
+    model folder? Converted folders have an ``auto_map`` in config.json (and, with a vision tower, a
+    preprocessor_config.json); an official one has neither, and has ``inference/`` or weights under
+    the official names (no ``model.`` prefix)."""
+    if (folder / "preprocessor_config.json").is_file():
+        return False
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = None
+    if isinstance(config, dict) and "auto_map" in config:
+        return False
+    if (folder / "inference").is_dir():
+        return True
+    names = _tensor_names(folder)
+    return bool(names) and any(not name.startswith("model.") for name in names)
+
+
+def check_image_path(src: str, max_image_bytes: int | None = None) -> None:
+    """Refuse, before anything is read or loaded, a local image path that `run` could not read
+    safely: a missing path, or one that is not a regular file (a FIFO would block `open` forever, a
+    device such as /dev/zero would never end), or a file over `max_image_bytes` (None: not checked
+    here). URLs (``http(s)://``, ``data:``) are left to the image processor, which reads them under
+    its byte cap.
+
+    Raises:
+        DeepseekV41ImageError: naming the path and the problem (a ValueError).
+    """
+    from deepseek_v41_vl.processing.errors_deepseek_v41_vl import DeepseekV41ImageError, DeepseekV41ImageTooLargeError
+
+    if src[:8].lower().startswith(("http://", "https://", "data:")):
+        return
+    try:
+        info = os.stat(src)  # follows symlinks; never opens the file
+    except OSError as err:
+        raise DeepseekV41ImageError(f"cannot read image file {src!r}: {err.strerror or err}") from None
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a FIFO" if stat.S_ISFIFO(info.st_mode) else "a directory" if stat.S_ISDIR(info.st_mode) else "a device"
+        raise DeepseekV41ImageError(f"image {src!r} is {kind}, not a regular file")
+    if max_image_bytes is not None and info.st_size > max_image_bytes:
+        raise DeepseekV41ImageTooLargeError(
+            f"image file {src!r} has {info.st_size} bytes, over --max-image-bytes={max_image_bytes}"
+        )
+
+
 def _run(args: argparse.Namespace) -> int:
     import torch
     from transformers import pipeline
 
     import deepseek_v41_vl  # noqa: F401  (registers the Auto classes)
+    from deepseek_v41_vl.processing.image_processing_deepseek_v41_vl import load_image
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.max_image_bytes is not None and args.max_image_bytes < 1:
+        raise ValueError(f"--max-image-bytes must be at least 1, got {args.max_image_bytes}")
+    sources = args.image or [str(bundled_photo())]
+    for src in sources:  # before the model loads: a bad path costs nothing
+        check_image_path(src, args.max_image_bytes)
     model_dir = Path(args.model) if args.model else ensure_tiny_model(args.seed)
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"{model_dir} is not a model folder (no config.json); make one with `deepseek-v41-vl convert`")
-    sources = args.image or [str(bundled_photo())]
+    if is_official_checkpoint(model_dir):
+        raise ValueError(
+            f"{model_dir} is an official checkpoint, not a converted model folder: convert it first with "
+            f"`deepseek-v41-vl convert {model_dir} DST`, then pass --model DST"
+        )
 
     t0 = time.perf_counter()
     # trust_remote_code=False: the installed package's classes, not the folder's copy of them
@@ -190,7 +280,18 @@ def _run(args: argparse.Namespace) -> int:
     )
     t_load = time.perf_counter() - t0
     image_processor = pipe.processor.image_processor
-    images = [image_processor.load_image(src, allow_urls=True) for src in sources]
+    # --max-image-bytes, else the folder's own cap, else 20 MiB: never unbounded
+    max_image_bytes = args.max_image_bytes or getattr(image_processor, "max_image_bytes", None) or DEFAULT_MAX_IMAGE_BYTES
+    images = [
+        load_image(
+            src,
+            max_image_pixels=image_processor.max_image_pixels,
+            exif_orientation=image_processor.exif_orientation,
+            allow_urls=True,
+            max_image_bytes=max_image_bytes,
+        )
+        for src in sources
+    ]
     names = [src.rsplit("/", 1)[-1] if "://" in src else Path(src).name for src in sources]
     print(f"model: {model_dir} ({type(pipe.model).__name__}, numerics {args.numerics}, "
           f"{sum(p.numel() for p in pipe.model.parameters()) / 1e6:.1f} M parameters, loaded in {t_load:.2f} s)")
@@ -219,7 +320,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from deepseek_v41_vl.conversion.convert import convert_checkpoint
+    from deepseek_v41_vl.conversion.convert import convert_checkpoint, shard_bytes_from_gib
 
     summary = convert_checkpoint(
         args.src,
@@ -230,7 +331,7 @@ def _convert(args: argparse.Namespace) -> int:
         verify=args.verify,
         force=args.force,
         max_slice_bytes=args.max_slice_mib * 1024**2,
-        max_shard_bytes=int(args.max_shard_gib * 1024**3),
+        max_shard_bytes=shard_bytes_from_gib(args.max_shard_gib),
         progress=not args.quiet,
     )
     print(summary.format())

@@ -23,8 +23,11 @@ modeling code never branches on the checkpoint's dialect.
 
 from __future__ import annotations
 
+import inspect
 import json
+import numbers
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -123,7 +126,54 @@ def check_numerics_mode(value, error: type[Exception] | None = None) -> str:
 
 
 class DeepseekV41ConfigError(ValueError):
-    """A configuration value is missing, unknown or inconsistent."""
+    """A configuration value is missing, unknown, of the wrong type or inconsistent."""
+
+
+# what each annotation of the config classes' arguments accepts: (test, what the message asks for)
+_ARGUMENT_TYPES = {
+    "int": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an integer"),
+    "float": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "dict": (lambda v: isinstance(v, Mapping), "a mapping"),
+    "list[int]": (
+        lambda v: isinstance(v, (list, tuple))
+        and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in v),
+        "a list of integers",
+    ),
+}
+# transformers' generic arguments (token ids may be lists or None there): not checked here
+_GENERIC_ARGUMENTS = ("bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "tie_word_embeddings")
+
+
+def check_argument_types(init, values: Mapping[str, Any], section: str) -> None:
+    """Check every argument of the config class `__init__` `init` that `values` holds against its
+    annotation (``int``, ``float``, ``bool``, ``str``, ``dict``, ``list[int]``, each optionally
+    ``| None``), before anything is computed from them. The converter and `from_pretrained` both
+    build their configs through these classes, so both report a bad value the same way.
+
+    Raises:
+        DeepseekV41ConfigError: a value of another type, named as ``<section>.<key>``.
+    """
+    for name, parameter in inspect.signature(init).parameters.items():
+        annotation = parameter.annotation
+        if name not in values or name in _GENERIC_ARGUMENTS or not isinstance(annotation, str):
+            continue
+        kind, optional = annotation.removesuffix(" | None"), annotation.endswith(" | None")
+        if kind not in _ARGUMENT_TYPES:
+            continue
+        test, wanted = _ARGUMENT_TYPES[kind]
+        value = values[name]
+        if not (test(value) or (optional and value is None)):
+            raise DeepseekV41ConfigError(
+                f"{section}.{name} must be {wanted}{' or null' if optional else ''}, got {_shown(value)} "
+                f"({type(value).__name__})"
+            )
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class DeepseekV41VisionConfig(PretrainedConfig):
@@ -164,6 +214,7 @@ class DeepseekV41VisionConfig(PretrainedConfig):
         rms_norm_eps: float = 1e-6,
         **kwargs,
     ):
+        check_argument_types(DeepseekV41VisionConfig.__init__, locals(), "vision_config")
         self.num_hidden_layers = num_hidden_layers
         self.hidden_size = hidden_size
         self.num_attention_heads = num_attention_heads
@@ -306,6 +357,7 @@ class DeepseekV41TextConfig(PretrainedConfig):
         tie_word_embeddings: bool = False,
         **kwargs,
     ):
+        check_argument_types(DeepseekV41TextConfig.__init__, locals(), "text_config")
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.moe_intermediate_size = moe_intermediate_size
@@ -473,7 +525,9 @@ class DeepseekV41Config(PretrainedConfig):
     passed as keyword arguments instead of the sub-configs; they are folded in here.
 
     Raises:
-        DeepseekV41ConfigError: unknown flat keys mixed with sub-configs, or an inconsistent layout.
+        DeepseekV41ConfigError: unknown flat keys mixed with sub-configs, a `text_config` /
+            `vision_config` that is not a mapping, a value of the wrong type (named
+            ``text_config.<key>`` ...: :func:`check_argument_types`), or an inconsistent layout.
     """
 
     model_type = "deepseek_v41"
@@ -505,13 +559,24 @@ class DeepseekV41Config(PretrainedConfig):
             if quantization_config is None:
                 quantization_config = _quantization_from_flat(flat_extra)
 
+        for name, value, cls in (
+            ("text_config", text_config, DeepseekV41TextConfig),
+            ("vision_config", vision_config, DeepseekV41VisionConfig),
+        ):
+            if value is not None and not isinstance(value, (Mapping, cls)):
+                raise DeepseekV41ConfigError(
+                    f"{name} must be a mapping of its settings, got {_shown(value)} ({type(value).__name__})"
+                )
+        check_argument_types(
+            DeepseekV41Config.__init__, {"image_token_id": image_token_id, "quantization_config": quantization_config}, "config"
+        )
         if text_config is None:
             text_config = DeepseekV41TextConfig()
-        elif isinstance(text_config, dict):
+        elif isinstance(text_config, Mapping):
             text_config = DeepseekV41TextConfig(**{k: v for k, v in text_config.items() if k != "model_type"})
         if vision_config is None:
             vision_config = DeepseekV41VisionConfig(out_hidden_size=text_config.hidden_size)
-        elif isinstance(vision_config, dict):
+        elif isinstance(vision_config, Mapping):
             vision_config = DeepseekV41VisionConfig(
                 **{"out_hidden_size": text_config.hidden_size, **{k: v for k, v in vision_config.items() if k != "model_type"}}
             )
@@ -594,4 +659,10 @@ def _quantization_from_flat(extra: dict[str, Any]) -> dict | None:
     }
 
 
-__all__ = ["DeepseekV41Config", "DeepseekV41TextConfig", "DeepseekV41VisionConfig", "DeepseekV41ConfigError"]
+__all__ = [
+    "DeepseekV41Config",
+    "DeepseekV41ConfigError",
+    "DeepseekV41TextConfig",
+    "DeepseekV41VisionConfig",
+    "check_argument_types",
+]

@@ -36,9 +36,11 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         there is no check.
 
         Raises:
-            DeepseekV41ModelError: `input_ids` that are not a tensor; a filled `cache` (or
-                `past_key_values`) with `input_ids` that do not hold more than the cached tokens
-                (give the whole conversation), or an `attention_mask` of another length.
+            DeepseekV41ModelError: `input_ids` that are not a tensor, or not ``[batch, seq]``
+                (transformers' `generate` takes no 1-D prompt either: ``ids[None]`` is batch 1); a
+                filled `cache` (or `past_key_values`) with `input_ids` that do not hold more than
+                the cached tokens (give the whole conversation), or an `attention_mask` of another
+                length.
         """
         prompt = args[0] if args else kwargs.get("inputs")
         if prompt is None:
@@ -99,6 +101,11 @@ def _check_continuation(input_ids, attention_mask, cache) -> None:
     if input_ids is not None and not isinstance(input_ids, torch.Tensor):
         raise DeepseekV41ModelError(
             f"input_ids must be a torch tensor, got {type(input_ids).__name__}: pass return_tensors='pt' to the processor"
+        )
+    if input_ids is not None and input_ids.dim() != 2:
+        raise DeepseekV41ModelError(
+            f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}"
+            + (": for one prompt pass input_ids[None] (batch 1)" if input_ids.dim() == 1 else "")
         )
     cached = cache.get_seq_length() if isinstance(cache, DeepseekV41Cache) else 0
     if input_ids is None or not cached:

@@ -33,14 +33,12 @@ the budgets, decoder layers and ViT blocks whole.
 
 from __future__ import annotations
 
-import warnings
-
 import contextlib
 import functools
 import json
 import logging
 import os
-import re
+import warnings
 from typing import Iterator, Mapping
 
 import torch
@@ -49,6 +47,7 @@ from transformers import PreTrainedModel
 
 from .engram_deepseek_v41_vl import DeepseekV41EngramEmbedding, DeepseekV41EngramError
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
+from .load_checks_deepseek_v41_vl import check_finite_weights, refuse_a_random_vision_tower
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
 from .rope_deepseek_v41_vl import DeepseekV41RotaryEmbedding, rope_inv_frequencies
 from .state_dict_adapter_deepseek_v41_vl import convert_state_dict
@@ -546,24 +545,6 @@ def _official_layout_index(path) -> dict[str, str] | None:
     return data["weight_map"]
 
 
-_VISION_TENSOR = re.compile(r"^(model\.)?(vision|aligner)\.|^(model\.)?image_(start|end|newline)$")
-
-
-def _refuse_a_random_vision_tower(model: nn.Module, info: dict, path) -> None:
-    """Raise when the loaded folder held none of the vision tensors the model has: transformers
-    would leave them at random values (a config without ``vision_config`` means the released tower)."""
-    core = getattr(model, "model", model)
-    if not getattr(core, "vision_enabled", False):
-        return
-    missing = [name for name in info.get("missing_keys", ()) if _VISION_TENSOR.search(name)]
-    if missing:
-        raise DeepseekV41ModelError(
-            f"{path} holds no weights for {len(missing)} vision tensors (e.g. {sorted(missing)[0]}), which would stay "
-            "random: its config describes a vision tower (a config without vision_config means the released one). "
-            "Load a text-only folder with AutoModelForCausalLM, or set vision_config.num_hidden_layers = 0"
-        )
-
-
 def _fill_quantized_storage(model: nn.Module, std: float) -> None:
     for module in model.modules():
         weight, scale = getattr(module, "weight", None), getattr(module, "scale", None)
@@ -608,7 +589,9 @@ class DeepseekV41LoadingMixin:
         ``dtype=torch.float32`` makes the vision tower and aligner fp32 (:meth:`set_vision_dtype`).
         ``numerics="exact"`` sets `config.text_config.numerics` (bitwise the reference on CPU).
         A local ``convert --link`` folder (index ``metadata.layout == "official"``) is then filled
-        through the load-time transform (:meth:`_load_official_layout`).
+        through the load-time transform (:meth:`_load_official_layout`). Every loaded weight is then
+        checked for NaN / Inf (`load_checks_deepseek_v41_vl.check_finite_weights`: float values, e8m0
+        scales, e4m3 codes); ``check_finite=False`` skips it.
 
         Engram tables in host memory: a `device_map` entry ``model.layers.{i}.engram.embed: "cpu"``
         under a layer on a GPU keeps that table resident on the CPU (only hash ids and looked-up
@@ -621,6 +604,7 @@ class DeepseekV41LoadingMixin:
             DeepseekV41ModelError: a ``--link`` folder with a `device_map` other than None / "cpu";
                 a folder without vision weights loaded into a model with a vision tower (a config
                 without ``vision_config`` describes the released tower): never random weights.
+            DeepseekV41NonFiniteWeightError: a weight holding NaN / Inf, named (a DeepseekV41ModelError).
             DeepseekV41EngramPlacementError: `engram_device` other than "cpu" or without a `device_map`;
                 a table mapped to "cpu" inside an offloaded ("disk", or "cpu" beside GPUs) layer.
         """
@@ -646,13 +630,15 @@ class DeepseekV41LoadingMixin:
                 f"{path} is a --link folder (official tensor layout); it loads on CPU only, without a "
                 f"device_map (got {kwargs['device_map']!r}): convert without --link to use a device_map"
             )
-        want_info = kwargs.pop("output_loading_info", False)
+        want_info, check_finite = kwargs.pop("output_loading_info", False), kwargs.pop("check_finite", True)
         with _offloaded_layers_load_whole(list(cls._no_split_modules)), keep_engram_tables_resident():
             model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         if official is not None:
             model._load_official_layout(path, official)
         else:
-            _refuse_a_random_vision_tower(model, info, path)
+            refuse_a_random_vision_tower(model, info, path)
+        if check_finite:
+            check_finite_weights(model, path)
         model._suppress_image_token()
         if requested in (torch.float32, "float32") and model.model.vision_enabled:
             model.set_vision_dtype(torch.float32)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import os
-
-
 import re
+import resource
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -80,3 +83,65 @@ def test_run_bad_image_is_a_clear_error(cache_home, tmp_path, capsys):
 def test_run_refuses_a_folder_that_is_not_a_model(tmp_path, capsys):
     assert main(["run", "--model", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def _run_cli_process(argv: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """`deepseek-v41-vl` in its own process with a 4 GiB address-space cap, so an unbounded read fails
+    with MemoryError rather than taking the machine's memory, and a blocked open fails the timeout."""
+
+    def cap_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30))
+
+    return subprocess.run(
+        [sys.executable, "-m", "deepseek_v41_vl.cli", *argv], stdin=subprocess.DEVNULL, capture_output=True,
+        text=True, timeout=timeout, preexec_fn=cap_memory,
+    )
+
+
+@pytest.mark.parametrize("kind", ["device", "fifo"])
+def test_run_refuses_an_image_that_is_not_a_regular_file_in_one_line(cache_home, tmp_path, kind):
+    # /dev/zero never ends; opening a FIFO blocks until a writer comes. Both used to be read as is.
+    if kind == "fifo":
+        image = tmp_path / "image.png"
+        os.mkfifo(image)
+        expected = "is a FIFO, not a regular file"
+    else:
+        image = Path("/dev/zero")
+        expected = "is a device, not a regular file"
+    result = _run_cli_process(["run", "--model", str(ensure_tiny_model(0)), "--image", str(image)], timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip() == f"deepseek-v41-vl run: error: image {str(image)!r} {expected}"
+
+
+def test_run_caps_the_encoded_bytes_of_files_and_urls(cache_home, capsys):
+    model_dir = str(ensure_tiny_model(0))
+    photo = bundled_photo()
+    assert main(["run", "--model", model_dir, "--image", str(photo), "--max-image-bytes", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"has {photo.stat().st_size} bytes, over --max-image-bytes=1000" in err
+    # a data URL's size is only known to the loader: the cap reaches it
+    url = "data:image/png;base64," + base64.b64encode(photo.read_bytes()).decode()
+    assert main(["run", "--model", model_dir, "--image", url, "--max-image-bytes", "1000"]) == 2
+    err = capsys.readouterr().err  # after the model's loading progress bar: one line
+    last = err.splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("deepseek-v41-vl run: error: ") and "max_image_bytes=1000" in last
+
+
+def test_run_on_an_official_checkpoint_says_convert_it_first(golden, tmp_path, capsys):
+    from deepseek_v41_vl.conversion.make_tiny import make_tiny
+
+    nested = make_tiny(tmp_path / "official", seed=0, variant="fp8")  # nested config.json + inference/
+    flat = golden / "model_tiny_fp8"  # a flat config.json, weights under the official names
+    for folder in (nested, flat):
+        assert main(["run", "--model", str(folder), "--max-new-tokens", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert f"{folder} is an official checkpoint" in err and f"`deepseek-v41-vl convert {folder} DST`" in err
+
+
+@pytest.mark.parametrize("gib", ["inf", "nan", "0", "-1"])
+def test_convert_refuses_a_shard_size_that_is_not_a_positive_finite_number(golden, tmp_path, capsys, gib):
+    dst = tmp_path / "d"
+    assert main(["convert", str(golden / "model_tiny_fp8"), str(dst), "--quiet", "--max-shard-gib", gib]) == 2
+    assert "--max-shard-gib must be a positive, finite number" in capsys.readouterr().err
+    assert not dst.exists()

@@ -350,3 +350,14 @@ def test_beam_search_reorders_the_cache(golden, model, processor, vl_run):
     # (1e-3: the beams ran as a batch of 6 rows, this check as 1; a wrong row after a reorder is
     # off by whole nats)
     assert abs(total / 5 - float(beams.sequences_scores[0])) < 1e-3
+
+
+def test_generate_refuses_input_ids_that_are_not_batch_by_sequence(model):
+    # transformers' generate takes no 1-D prompt either (an IndexError deep inside); batch 1 is ids[None]
+    ids = torch.tensor([0, 10, 11, 12])
+    for call in (lambda: model.generate(ids, max_new_tokens=1), lambda: model.generate(input_ids=ids, max_new_tokens=1)):
+        with pytest.raises(DeepseekV41ModelError, match=r"input_ids must be \[batch, seq\], got shape \(4,\): .*input_ids\[None\]"):
+            call()
+    with pytest.raises(DeepseekV41ModelError, match=r"got shape \(1, 1, 4\)"):
+        model.generate(ids[None, None], max_new_tokens=1)
+    assert model.generate(ids[None], max_new_tokens=1, do_sample=False).shape == (1, 5)

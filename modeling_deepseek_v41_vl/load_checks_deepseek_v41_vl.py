@@ -1,0 +1,158 @@
+"""Checks `from_pretrained` runs on a loaded model before handing it out: no vision tower left at
+random values, and no weight that holds NaN / Inf.
+
+A non-finite weight does not fail at load or at the forward: a NaN in the fp32 head or one e8m0
+scale byte 0xFF (NaN) makes every logit NaN, and greedy decoding then emits token 0 forever.
+:func:`check_finite_weights` looks at every stored value that can be non-finite:
+
+- float tensors (fp32 / bf16 / fp16): NaN or +-Inf, from one `torch.aminmax` per tensor (the min
+  or max of a tensor holding a NaN is NaN, and an Inf is the min or the max);
+- e8m0 scales: the byte 0xFF (NaN; e8m0 has no Inf), from the byte view's max;
+- fp8 e4m3 weights: the codes 0x7F / 0xFF (NaN; e4m3fn has no Inf), from the max of the byte view
+  read as uint8 (0xFF) and as int8 (0x7F).
+
+Packed fp4 (e2m1) has no non-finite code. Integer tensors (the Engram token map) are not checked.
+Each check is a reduction over the tensor in place (no copy), so it runs at memory bandwidth on the
+device the tensor was loaded to, with one host synchronization per device. Weights offloaded to
+disk (on the meta device after loading) are not checked.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# what a non-finite value of each dtype is, for the messages
+_WHAT = {torch.float8_e8m0fnu: "e8m0 scale bytes 0xFF (NaN)", torch.float8_e4m3fn: "e4m3 NaN codes (0x7F / 0xFF)"}
+
+
+class DeepseekV41NonFiniteWeightError(DeepseekV41ModelError):
+    """A loaded weight holds NaN / Inf values (a float NaN or Inf, an e8m0 scale 0xFF, an e4m3 NaN
+    code): the model would compute NaN logits."""
+
+
+def _extremes(tensor: torch.Tensor) -> list[tuple[tuple, torch.Tensor]]:
+    """The reductions of `tensor` that show a non-finite value: ``(kind, 0-dim tensor)`` pairs, where
+    kind is ``(test, dtype)`` (:data:`_TESTS`). Empty for dtypes without non-finite values
+    (integers, packed fp4) and for tensors with nothing to read (empty, meta)."""
+    if tensor.is_meta or tensor.numel() == 0:
+        return []
+    if tensor.dtype in _FLOATS:
+        return [(("finite", tensor.dtype), value) for value in torch.aminmax(tensor)]
+    if tensor.dtype == torch.float8_e8m0fnu:
+        return [(("not 0xFF", torch.uint8), tensor.view(torch.uint8).max())]
+    if tensor.dtype == torch.float8_e4m3fn:
+        return [
+            (("not 0xFF", torch.uint8), tensor.view(torch.uint8).max()),
+            (("not 0x7F", torch.int8), torch.aminmax(tensor.view(torch.int8)).max),  # faster than max() here
+        ]
+    return []
+
+
+# test -> which of the stacked reductions are bad
+_TESTS = {
+    "finite": lambda values: ~torch.isfinite(values),
+    "not 0xFF": lambda values: values == 0xFF,
+    "not 0x7F": lambda values: values == 0x7F,
+}
+
+
+# The one rule of what is not a finite number, by stored dtype (the converter reads it too):
+# dtype -> (integer view, exponent mask); a stored code is NaN or Inf when (code & mask) == mask.
+# e4m3fn has no Inf and NaN only at 0x7F / 0xFF; e8m0 has only NaN, 0xFF; packed fp4 has neither.
+NONFINITE_CODES = {
+    torch.float64: (torch.int64, 0x7FF0000000000000),
+    torch.float32: (torch.int32, 0x7F800000),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float8_e4m3fn: (torch.uint8, 0x7F),
+    torch.float8_e5m2: (torch.uint8, 0x7C),
+    torch.float8_e8m0fnu: (torch.uint8, 0xFF),
+}
+
+
+def nonfinite_mask(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool tensor, True where `codes` (values of `dtype`, or their bytes viewed as any integer
+    type of the same width) are NaN or Inf by :data:`NONFINITE_CODES`.
+
+    Raises:
+        KeyError: `dtype` has no non-finite codes (integers, packed fp4).
+    """
+    view, mask = NONFINITE_CODES[dtype]
+    return torch.bitwise_and(codes.view(view), mask).eq_(mask)
+
+
+def _non_finite_mask(tensor: torch.Tensor) -> torch.Tensor:
+    return nonfinite_mask(tensor, tensor.dtype)
+
+
+def check_finite_weights(model: nn.Module, source=None) -> None:
+    """Refuse a model whose state dict holds a non-finite value (module docstring says which).
+
+    Args:
+        model: the loaded model.
+        source: the folder it was loaded from, for the message.
+
+    Raises:
+        DeepseekV41NonFiniteWeightError: naming the first such tensor in state-dict order, how many
+            of its values are non-finite and the index of the first.
+    """
+    # one reduction (two for e4m3) per tensor, then per device and kind one stacked test and one
+    # host synchronization: a per-tensor test would cost more than the reductions on a small model
+    groups: dict[tuple, tuple[list[str], list[torch.Tensor]]] = {}
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, tensor in state.items():
+            for kind, value in _extremes(tensor):
+                names, values = groups.setdefault((tensor.device, kind), ([], []))
+                names.append(name)
+                values.append(value)
+        bad = set()
+        for (_, (test, _)), (names, values) in groups.items():
+            found = _TESTS[test](torch.stack(values)).nonzero().flatten().tolist()
+            bad.update(names[i] for i in found)
+        if not bad:
+            return
+        name = next(n for n in state if n in bad)
+        tensor = state[name]
+        mask = _non_finite_mask(tensor)
+        first = tuple(int(i) for i in mask.nonzero()[0].tolist())
+        count = int(mask.sum())
+    what = _WHAT.get(tensor.dtype, "NaN / Inf values")
+    where = f" in {source}" if source is not None else ""
+    others = f" ({len(bad) - 1} other tensors too)" if len(bad) > 1 else ""
+    raise DeepseekV41NonFiniteWeightError(
+        f"{name}{where} holds {count} {what} of {tensor.numel()}, the first at index {first}{others}: the weights "
+        "are corrupt and every logit would be NaN. Convert the checkpoint again (or pass check_finite=False to "
+        "from_pretrained to load it anyway)"
+    )
+
+
+_VISION_TENSOR = re.compile(r"^(model\.)?(vision|aligner)\.|^(model\.)?image_(start|end|newline)$")
+
+
+def refuse_a_random_vision_tower(model: nn.Module, info: dict, path) -> None:
+    """Raise when the loaded folder held none of the vision tensors the model has: transformers
+    would leave them at random values (a config without ``vision_config`` means the released tower).
+
+    Raises:
+        DeepseekV41ModelError: vision tensors missing from the folder.
+    """
+    core = getattr(model, "model", model)
+    if not getattr(core, "vision_enabled", False):
+        return
+    missing = [name for name in info.get("missing_keys", ()) if _VISION_TENSOR.search(name)]
+    if missing:
+        raise DeepseekV41ModelError(
+            f"{path} holds no weights for {len(missing)} vision tensors (e.g. {sorted(missing)[0]}), which would stay "
+            "random: its config describes a vision tower (a config without vision_config means the released one). "
+            "Load a text-only folder with AutoModelForCausalLM, or set vision_config.num_hidden_layers = 0"
+        )
+
+
+__all__ = ["NONFINITE_CODES", "DeepseekV41NonFiniteWeightError", "check_finite_weights", "nonfinite_mask", "refuse_a_random_vision_tower"]
