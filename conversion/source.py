@@ -91,8 +91,8 @@ def _config_from(path: Path) -> DeepseekV41Config:
         return DeepseekV41Config(**data)
     except DeepseekV41ConversionError:
         raise
-    except (ValueError, TypeError) as exc:
-        raise DeepseekV41ConversionError(f"{path}: invalid config ({exc})") from None
+    except (ValueError, TypeError, AttributeError, KeyError) as exc:
+        raise DeepseekV41ConversionError(f"{path}: invalid config ({type(exc).__name__}: {exc})") from None
 
 
 def load_config(root: Path) -> tuple[DeepseekV41Config, list[Path]]:
@@ -100,7 +100,9 @@ def load_config(root: Path) -> tuple[DeepseekV41Config, list[Path]]:
     top-level `config.json`). Two configs must give the same official inventory.
 
     Raises:
-        DeepseekV41ConversionError: no config, an invalid one, or two that disagree.
+        DeepseekV41ConversionError: no config, an invalid one (e.g. a ``text_config``,
+            ``vision_config`` or ``quantization_config`` that is not a JSON object), or two that
+            disagree.
     """
     candidates = [p for p in (root / "config.json", root / FLAT_CONFIG) if p.is_file()]
     if not candidates:
@@ -125,10 +127,12 @@ def _load_weights(root: Path) -> tuple[dict[str, Header], dict[str, str]]:
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise DeepseekV41ConversionError(f"{index_path}: no weight_map")
+        for name, file in weight_map.items():
+            if not isinstance(file, str) or not file or Path(file).name != file:
+                raise DeepseekV41ConversionError(
+                    f"{index_path}: weight_map[{name!r}] is {file!r}, not the file name of a shard in the folder"
+                )
         files = sorted(set(weight_map.values()))
-        for file in files:
-            if not isinstance(file, str) or Path(file).name != file:
-                raise DeepseekV41ConversionError(f"{index_path}: shard name {file!r} is not a file name in the folder")
         missing = [f for f in files if not (root / f).is_file()]
         if missing:
             raise DeepseekV41ConversionError(f"{index_path} names shards that do not exist: {_listed(missing)}")
@@ -194,8 +198,9 @@ def load_source(src: str | Path) -> SourceCheckpoint:
 
     Raises:
         DeepseekV41ConversionError: see :func:`load_config`, :func:`check_inventory`; a missing
-            tokenizer.json; an index naming a missing shard, a tensor in two shards, an index that
-            disagrees with the shard headers; a corrupt shard header.
+            tokenizer.json; an index whose weight_map maps a tensor to anything but a shard's file
+            name, or names a missing shard; a tensor in two shards; an index that disagrees with
+            the shard headers; a corrupt shard header.
     """
     root = Path(src)
     if not root.is_dir():

@@ -6,12 +6,21 @@ stopped by SIGTERM or SIGHUP (what `timeout`, Slurm and Kubernetes send): :func:
 turns those into an exception for the duration, so the same cleanup runs. SIGKILL leaves the folder
 behind; the next conversion to the same DST removes every partial folder whose process is gone
 (:func:`remove_stale_partials`), and refuses to start while another live process writes one.
+
+:func:`publish` without `replace` never replaces anything at DST, even a DST that appears (empty
+or not) while the conversion runs: the rename is ``renameat2(RENAME_NOREPLACE)`` where the system
+has it, otherwise DST is claimed with ``mkdir`` (which fails if anything is there) and the claimed,
+still empty folder is what the rename replaces. Folders are only ever removed by the code that
+created them (:func:`make_parents` / :func:`remove_created`), or as stale partial folders.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
+import sys
 import re
 import shutil
 import signal
@@ -120,4 +129,144 @@ def move_into_place(tmp: Path, dst: Path) -> None:
             old.unlink()
 
 
-__all__ = ["ConversionStopped", "STOP_SIGNALS", "move_into_place", "partial_folder", "remove_stale_partials", "stopping_signals"]
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_UNSUPPORTED = (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)
+
+
+def _renameat2():
+    """libc's ``renameat2`` (Linux, glibc 2.28+), or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _rename_noreplace_syscall(src: Path, dst: Path) -> bool:
+    """``renameat2(src, dst, RENAME_NOREPLACE)``. False where the system or file system lacks it.
+
+    Raises:
+        OSError: the rename failed (FileExistsError: something is at `dst`).
+    """
+    function = _renameat2()
+    if function is None:
+        return False
+    if function(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _UNSUPPORTED:
+        return False
+    raise OSError(code, os.strerror(code), str(src), None, str(dst))
+
+
+def _rename_onto_claim(src: Path, dst: Path) -> None:
+    """Claim `dst` with ``mkdir`` (fails if anything is there), then rename `src` onto the claimed
+    empty folder. If someone wrote into the claim meanwhile, the rename fails and their files stay.
+
+    Raises:
+        OSError: FileExistsError when `dst` exists or was written into; other rename failures.
+    """
+    os.mkdir(dst)
+    try:
+        os.rename(src, dst)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.rmdir(dst)  # only while it is still the empty folder claimed above
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst)) from None
+        raise
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename `src` to `dst` unless something (a file, a link, an empty or full folder) is at `dst`.
+
+    Raises:
+        FileExistsError: something is at `dst`; nothing was changed there.
+        OSError: any other failure of the rename.
+    """
+    if not _rename_noreplace_syscall(src, dst):
+        _rename_onto_claim(src, dst)
+
+
+def publish(tmp: Path, dst: Path, replace: bool) -> None:
+    """Move the finished folder `tmp` to `dst`.
+
+    Args:
+        replace: replace whatever is at `dst` (``--force``: :func:`move_into_place`). Without it
+            nothing at `dst` is ever replaced, even what appeared there after the run started.
+
+    Raises:
+        DeepseekV41ConversionError: `replace` is False and `dst` exists (`tmp` is left for the
+            caller to remove).
+        OSError: the rename failed otherwise.
+    """
+    if replace:
+        move_into_place(tmp, dst)
+        return
+    try:
+        rename_noreplace(tmp, dst)
+    except FileExistsError:
+        raise DeepseekV41ConversionError(
+            f"destination {dst} appeared while the conversion ran; it is left as it is and nothing was "
+            "written there (pass --force (force=True) to replace it)"
+        ) from None
+
+
+def make_parents(folder: Path) -> list[Path]:
+    """Create `folder` and its missing parents (like ``mkdir -p``).
+
+    Returns:
+        The folders created, outermost first (for :func:`remove_created`).
+
+    Raises:
+        OSError: a folder cannot be created (a file in the way, no permission, ...); the folders
+            created before the failure are removed again.
+    """
+    missing = []
+    probe = folder
+    while not probe.is_dir():
+        missing.append(probe)
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    created: list[Path] = []
+    try:
+        for path in reversed(missing):
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                if not path.is_dir():
+                    raise NotADirectoryError(errno.ENOTDIR, "a file is where a folder must go", str(path)) from None
+                continue  # made by someone else meanwhile: not ours to remove
+            created.append(path)
+    except OSError:
+        remove_created(created)
+        raise
+    return created
+
+
+def remove_created(created: list[Path]) -> None:
+    """Remove the folders :func:`make_parents` created, innermost first, where still empty (what
+    anyone else put into them since stays, with the folders holding it)."""
+    for path in reversed(created):
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+
+
+__all__ = [
+    "ConversionStopped",
+    "STOP_SIGNALS",
+    "make_parents",
+    "move_into_place",
+    "partial_folder",
+    "publish",
+    "remove_created",
+    "remove_stale_partials",
+    "rename_noreplace",
+    "stopping_signals",
+]

@@ -10,6 +10,11 @@ stays under ``max_slice_bytes``:
 :func:`write_tensor` computes tiles with its own lean in-place arithmetic; :func:`verify_tensor`
 re-reads the written bytes and compares them, bit for bit, with `state_dict_adapter_deepseek_v41_vl.apply_plan` (the
 documented transform, built on the model's dequantizers) applied to the same source tiles.
+
+Every source slice :func:`write_tensor` reads is checked for NaN / Inf codes (`nonfinite.py`) before
+it is written, and a dequantized tile for values that overflow to Inf, so a corrupt checkpoint is
+refused without a second pass over the data; :func:`check_tensor` is that check alone, for
+``--link`` conversions, which write no tensor.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 
 from ..modeling.checkpoint_names_deepseek_v41_vl import BLOCK, DTYPE_SIZES, DeepseekV41ConversionError, TensorPlan
 from ..modeling.state_dict_adapter_deepseek_v41_vl import SAFETENSORS_TO_TORCH, apply_plan
+from .nonfinite import can_hold_nonfinite, check_finite, element, first_nonfinite
 from .safetensors_io import SafetensorsReader, SafetensorsWriter
 
 # Working bytes per OUTPUT element (source + temporaries + result), conservative.
@@ -158,37 +164,93 @@ def _elementwise_chunks(total_elements: int, cost: int, budget: int) -> Iterator
         yield start, min(total_elements, start + step)
 
 
+def _check_bytes(reader: SafetensorsReader, name: str, dtype: str, data: bytearray, first: int) -> None:
+    """NaN / Inf check of `data`, elements ``first ...`` of the flattened tensor `name`."""
+    if data and can_hold_nonfinite(dtype):
+        check_finite(name, dtype, torch.frombuffer(data, dtype=torch.uint8), lambda i: element(first + i), str(reader.header.path))
+
+
+def _tile_position(r0: int, c0: int, width: int) -> Callable[[int], str]:
+    return lambda i: f"[{r0 + i // width}, {c0 + i % width}]"
+
+
+def _check_tile(source: SourceAccess, name: str, data: torch.Tensor, r0: int, c0: int) -> None:
+    """NaN / Inf check of a 2-D tile of the official tensor `name` whose first element is [r0, c0]."""
+    dtype = source.entry(name).dtype
+    if data.numel() and can_hold_nonfinite(dtype):
+        position = _tile_position(r0, c0, data.shape[-1])
+        check_finite(name, dtype, data, position, str(source.reader_for(name).header.path))
+
+
 def write_tensor(plan: TensorPlan, source: SourceAccess, writer: SafetensorsWriter, budget: int, progress: Callable[[int], None]) -> None:
     """Produce `plan.target` in `writer` from the official tensor(s), tile by tile.
 
     Args:
         budget: working-memory bound in bytes (``max_slice_bytes``).
         progress: called with the number of output bytes of each finished tile.
+
+    Raises:
+        DeepseekV41ConversionError: a source element is NaN or Inf (`nonfinite.py`), or a
+            dequantized value overflows to Inf; the message names the tensor and the element.
     """
     budget = max(budget, _MIN_BUDGET)
     entry = source.entry(plan.source)
     reader = source.reader_for(plan.source)
     if plan.op == "copy":
-        for start, end in _elementwise_chunks(entry.nbytes, 1, budget):
-            writer.write_at(plan.target, start, reader.read(plan.source, start, end - start))
-            progress(end - start)
+        size = DTYPE_SIZES[entry.dtype]
+        for start, end in _elementwise_chunks(entry.nbytes // size, size, budget):
+            data = reader.read(plan.source, start * size, (end - start) * size)
+            _check_bytes(reader, plan.source, entry.dtype, data, start)
+            writer.write_at(plan.target, start * size, data)
+            progress((end - start) * size)
         return
     if plan.op == "to_fp32":
         size = DTYPE_SIZES[entry.dtype]
         n = entry.nbytes // size
         for start, end in _elementwise_chunks(n, _WRITE_COST["to_fp32"], budget):
-            chunk = _tensor(reader.read(plan.source, start * size, (end - start) * size), entry.dtype, (end - start,))
+            data = reader.read(plan.source, start * size, (end - start) * size)
+            _check_bytes(reader, plan.source, entry.dtype, data, start)
+            chunk = _tensor(data, entry.dtype, (end - start,))
             writer.write_at(plan.target, start * 4, _as_bytes(chunk.float()))
             progress((end - start) * 4)
         return
     rows, cols = plan.shape
     for tile in tiles_2d(rows, cols, _WRITE_COST[plan.op], budget):
         w = _source_tile(source, plan, tile)
+        _check_tile(source, plan.source, w, tile.r0, tile.c0 // 2 if plan.op == "dequant_fp4" else tile.c0)
         s = _scale_tile(source, plan, tile, BLOCK)
+        _check_tile(source, plan.scale, s, tile.r0 // BLOCK if plan.op == "dequant_fp8" else tile.r0, tile.c0 // BLOCK)
         out = _dequant_fp8_lean(w, s) if plan.op == "dequant_fp8" else _dequant_fp4_lean(w, s)
+        overflow = first_nonfinite(out, "BF16")
+        if overflow is not None:
+            at = _tile_position(tile.r0, tile.c0, tile.c1 - tile.c0)(overflow)
+            raise DeepseekV41ConversionError(
+                f"dequantizing {plan.source!r} with its scale {plan.scale!r} gives Inf at {at} (a scale too large for "
+                "its block): the checkpoint is corrupt; nothing was converted"
+            )
         _write_2d(writer, plan.target, tile, cols, out)
         progress(out.numel() * 2)
         del w, s, out
+
+
+def check_tensor(name: str, source: SourceAccess, budget: int, progress: Callable[[int], None]) -> None:
+    """Read the official tensor `name` once, in slices of at most `budget` bytes, and refuse it
+    when an element is NaN or Inf (what :func:`write_tensor` checks on the way, for conversions
+    that write no tensor).
+
+    Raises:
+        DeepseekV41ConversionError: names the tensor, its file and the element.
+    """
+    budget = max(budget, _MIN_BUDGET)
+    entry = source.entry(name)
+    if not can_hold_nonfinite(entry.dtype):
+        progress(entry.nbytes)
+        return
+    reader = source.reader_for(name)
+    size = DTYPE_SIZES[entry.dtype]
+    for start, end in _elementwise_chunks(entry.nbytes // size, size, budget):
+        _check_bytes(reader, name, entry.dtype, reader.read(name, start * size, (end - start) * size), start)
+        progress((end - start) * size)
 
 
 def verify_tensor(plan: TensorPlan, source: SourceAccess, written: SafetensorsReader, budget: int, progress: Callable[[int], None]) -> None:
@@ -232,4 +294,4 @@ def verify_tensor(plan: TensorPlan, source: SourceAccess, written: SafetensorsRe
         del w, s, expected, got
 
 
-__all__ = ["SourceAccess", "Tile", "tiles_2d", "verify_tensor", "write_tensor"]
+__all__ = ["SourceAccess", "Tile", "check_tensor", "tiles_2d", "verify_tensor", "write_tensor"]

@@ -588,14 +588,14 @@ def test_a_failure_while_writing_leaves_nothing_behind(golden, tmp_path, monkeyp
 
     monkeypatch.setattr(convert_module, "write_tensor", failing)
     dst = tmp_path / "dst"
-    with pytest.raises(OSError, match="disk on fire"):
+    with pytest.raises(DeepseekV41ConversionError, match=f"converting into {dst} failed: disk on fire"):
         convert_checkpoint(golden / "model_tiny_fp8", dst, progress=False)
     assert list(tmp_path.iterdir()) == []
     # an existing destination survives a failed --force conversion
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
     calls["n"] = 0
-    with pytest.raises(OSError, match="disk on fire"):
+    with pytest.raises(DeepseekV41ConversionError, match="disk on fire"):
         convert_checkpoint(golden / "model_tiny_fp8", dst, force=True, progress=False)
     assert [p.name for p in tmp_path.iterdir()] == ["dst"] and (dst / "keep.txt").read_text() == "mine"
 
