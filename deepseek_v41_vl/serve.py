@@ -15,6 +15,12 @@ What it adds to the app transformers builds:
 - the request policy of `serve_policy.py` on chat completions, responses and completions: image
   limits (count, bytes, pixels, sources; see :class:`ServeLimits` for the options), the
   ``reasoning_effort`` mapping, and checks of the fields transformers would fail on with a 500;
+- image URLs (``--allow-image-urls``) fetched off the event loop within ``--image-fetch-timeout``
+  (`serve_images.py`);
+- the processor's limits (`serve_processor.py`): image caps, message text tokenized as text
+  (typed control tokens cannot forge turns), ``--max-prompt-tokens``; on completions, the prompt
+  cap and a refusal of the image placeholder. The hooks into transformers' internals, which differ
+  between 5.24 and 5.25, are `serve_hooks.py`;
 - ``/v1/systemone`` answers 400: its pipeline loads images its own way, past these limits, and
   cannot run this model's processor; ``/load_model`` and ``/reset`` answer 403 (a client would
   load another model into the server or unload this one);
@@ -31,6 +37,7 @@ import json
 import os
 import sys
 
+from .serve_images import fetch_image_urls
 from .serve_policy import (
     ServeLimits,
     ServeRequestError,
@@ -40,6 +47,7 @@ from .serve_policy import (
     check_responses_input,
     request_template_kwargs,
 )
+from .serve_processor import check_prompt_length, served_model
 
 # Endpoints of transformers' app this command refuses: path -> (HTTP status, message).
 REFUSED_PATHS = {
@@ -59,14 +67,13 @@ def serve(argv: list[str]) -> int:
             e.g. ``[folder, "--port", "8000", "--max-images", "4"]``.
 
     Returns:
-        The server's exit status (2 for a bad option of this command, with argparse's message).
+        The server's exit status (2 for a bad option of this command, with argparse's message, or
+        for a transformers whose server internals the hooks do not know, naming its version).
     """
     from transformers.cli.serving import server
-    from transformers.cli.serving.model_manager import ModelManager
     from transformers.cli.transformers import app
-    from transformers.models.auto import modeling_auto
 
-    from .modeling.configuration_deepseek_v41_vl import DeepseekV41Config
+    from .serve_hooks import ServeHooksError, install
 
     parser = _limit_options()
     try:
@@ -79,11 +86,12 @@ def serve(argv: list[str]) -> int:
     if limits.image_dir is not None and not os.path.isdir(limits.image_dir):
         print(f"deepseek-v41-vl serve: --image-dir {limits.image_dir!r} is not a folder", file=sys.stderr)
         return 2
-    modeling_auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES.setdefault(
-        DeepseekV41Config.model_type, "DeepseekV41ForConditionalGeneration"
-    )
-    # the model manager may load the pinned model before the app is built: limit its class
-    ModelManager._load_processor = _with_image_limits(ModelManager._load_processor, limits)
+    try:
+        # the model manager may load the pinned model before the app is built: hook its loader first
+        install(limits)
+    except ServeHooksError as err:
+        print(f"deepseek-v41-vl serve: {err}", file=sys.stderr)
+        return 2
     server.build_server = _with_request_policy(server.build_server, limits)
     try:
         app(args=["serve", *rest], prog_name="deepseek-v41-vl")
@@ -115,22 +123,21 @@ def _limit_options() -> argparse.ArgumentParser:
     parser.add_argument("--image-dir", help="read local image paths under this folder (off by default)")
     parser.add_argument("--max-tokens", type=_positive_int, default=defaults.max_tokens,
                         help=f"new tokens one request may ask for, and its default (default {defaults.max_tokens})")
+    parser.add_argument("--max-prompt-tokens", type=_positive_int, default=defaults.max_prompt_tokens,
+                        help="the longest prompt served, in tokens (default: the model's context)")
+    parser.add_argument("--image-fetch-timeout", type=_positive_float, default=defaults.image_fetch_timeout,
+                        help=f"seconds to fetch a request's image URLs, the whole fetch "
+                             f"(default {defaults.image_fetch_timeout:g})")
+    parser.add_argument("--allow-special-tokens-in-messages", action="store_true",
+                        help="let control tokens typed in message text become special tokens (off by default)")
     return parser
 
 
-def _with_image_limits(load_processor, limits: ServeLimits):
-    """`ModelManager._load_processor` whose processors carry the server's byte and pixel caps."""
-    from .processing.image_processing_deepseek_v41_vl import DeepseekV41ImageProcessor
-
-    def load(*args, **kwargs):
-        processor = load_processor(*args, **kwargs)
-        image_processor = getattr(processor, "image_processor", None)
-        if isinstance(image_processor, DeepseekV41ImageProcessor):
-            image_processor.max_image_bytes = limits.max_image_bytes
-            image_processor.max_image_pixels = limits.max_image_pixels
-        return processor
-
-    return load
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
 
 
 def _with_request_policy(build_server, limits: ServeLimits):
@@ -142,7 +149,7 @@ def _with_request_policy(build_server, limits: ServeLimits):
     def build(model_manager, chat_handler, *args, **kwargs):
         _apply_request_policy(chat_handler, limits, chat=True)
         _apply_request_policy(kwargs["response_handler"], limits, chat=False)
-        _check_fields_only(kwargs["completion_handler"], limits)
+        _check_completions(kwargs["completion_handler"], limits)
         built = build_server(model_manager, chat_handler, *args, **kwargs)
 
         @built.middleware("http")
@@ -160,6 +167,10 @@ def _with_request_policy(build_server, limits: ServeLimits):
             message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
             return _openai_error(exc.status_code, message, detail=exc.detail, headers=exc.headers)
 
+        if ValueError in built.exception_handlers:
+            # transformers (5.25) answers a ValueError (a model it does not serve, a value `generate`
+            # refuses) with 400 and `detail` only: add the OpenAI error shape
+            built.add_exception_handler(ValueError, lambda request, exc: _openai_error(400, str(exc), detail=str(exc)))
         built.add_exception_handler(DeepseekV41ProcessingError, refused)
         built.add_exception_handler(ServeRequestError, refused)
         built.add_exception_handler(HTTPException, http_error)
@@ -179,10 +190,6 @@ def _openai_error(status: int, message: str, headers=None, **extra):
 def _apply_request_policy(handler, limits: ServeLimits, chat: bool) -> None:
     """Wrap a transformers serving handler that takes messages with images (instance attributes,
     so only this app's): chat completions (`chat`) or responses."""
-    if limits.allow_image_urls:
-        # the server's own template kwargs reach the processor call; a request's cannot
-        # (request_template_kwargs lets through only the template's switches)
-        handler.chat_template_kwargs = {**handler.chat_template_kwargs, "processor_kwargs": {"allow_urls": True}}
     messages_to_inputs = handler.get_processor_inputs_from_messages
 
     def checked_inputs(messages, modality):
@@ -209,7 +216,9 @@ def _apply_request_policy(handler, limits: ServeLimits, chat: bool) -> None:
     handle_request = handler.handle_request
 
     async def handle(body: dict, request_id: str):
-        body = check_request_fields(body, limits, "max_tokens" if chat else "max_output_tokens")
+        served = served_model(body.get("model"))
+        body = check_request_fields(body, limits, "max_tokens" if chat else "max_output_tokens",
+                                    vocab_size=None if served is None else served.vocab_size)
         if chat:
             check_messages(body)
             template_kwargs = request_template_kwargs(body)
@@ -222,16 +231,35 @@ def _apply_request_policy(handler, limits: ServeLimits, chat: bool) -> None:
                 # the Responses schema takes no chat_template_kwargs to carry it (transformers ignores it)
                 raise ServeRequestError("reasoning.effort is not mapped on /v1/responses: use /v1/chat/completions "
                                         "with reasoning_effort")
+        body = await fetch_image_urls(body, limits)  # the processor then reads data URLs only
         return await handle_request(body, request_id)
 
     handler.handle_request = handle
 
 
-def _check_fields_only(handler, limits: ServeLimits) -> None:
-    """Wrap a handler that takes no messages (completions) with the field checks."""
+def _check_completions(handler, limits: ServeLimits) -> None:
+    """Wrap the completions handler (a raw prompt, no messages) with the field checks, and refuse a
+    prompt over the prompt cap or holding the image placeholder (it takes no images)."""
+    import asyncio
+
     handle_request = handler.handle_request
 
     async def handle(body: dict, request_id: str):
-        return await handle_request(check_request_fields(body, limits, "max_tokens"), request_id)
+        served = served_model(body.get("model"))
+        body = check_request_fields(body, limits, "max_tokens", vocab_size=None if served is None else served.vocab_size)
+        prompt = body.get("prompt")
+        if served is not None and isinstance(prompt, str):
+            image_token = getattr(served.processor, "image_token", None)
+            if image_token and image_token in prompt:
+                raise ServeRequestError(
+                    f"the prompt holds the image placeholder {image_token!r}: /v1/completions takes no images; "
+                    "send images to /v1/chat/completions"
+                )
+            # a token covers at least one byte (byte-level BPE), BOS aside: tokenize only a prompt that may be over
+            if len(prompt.encode()) + 2 > served.max_prompt_tokens:
+                tokenizer = getattr(served.processor, "tokenizer", served.processor)
+                ids = (await asyncio.to_thread(tokenizer, prompt))["input_ids"]
+                check_prompt_length(len(ids), served.max_prompt_tokens)
+        return await handle_request(body, request_id)
 
     handler.handle_request = handle

@@ -10,7 +10,10 @@ touched (the app wiring is `serve.py`).
   which the chat template checks) on chat completions; the request's ``chat_template_kwargs`` may
   set only the template's switches, never the processor's options.
 - Fields transformers' handlers would turn into a bare 500 (``messages`` not a list of role
-  messages, sampling numbers that are not numbers, a ``generation_config`` that does not parse).
+  messages, sampling numbers that are not numbers, a ``generation_config`` that does not parse,
+  ``logit_bias`` ids outside the vocabulary, a lone UTF-16 surrogate in any text) or answer wrongly
+  (``n`` other than 1, a conversation with no user message); integer ``logit_bias`` values become
+  the floats transformers takes.
 
 Every refusal is a :class:`ServeRequestError`, answered with HTTP 400 and its message.
 """
@@ -55,6 +58,13 @@ class ServeLimits:
         max_tokens: ``--max-tokens``, new tokens one request may ask for (default 32768, the
             released generation config's); a request that names none gets this many at most.
             Requests run one at a time, so this bounds how long one can hold the server.
+        max_prompt_tokens: ``--max-prompt-tokens``, the longest prompt served, in tokens (None,
+            the default: the model's context, its config's ``max_position_embeddings``).
+        image_fetch_timeout: ``--image-fetch-timeout``, seconds to fetch a request's image URLs,
+            the whole fetch (default 30; with ``allow_image_urls``).
+        allow_special_tokens_in_messages: ``--allow-special-tokens-in-messages``, let control
+            tokens typed in message text become the special tokens (off by default: a message
+            could forge turns).
     """
 
     max_images: int = 16
@@ -63,6 +73,9 @@ class ServeLimits:
     allow_image_urls: bool = False
     image_dir: str | None = None
     max_tokens: int = 32768
+    max_prompt_tokens: int | None = None
+    image_fetch_timeout: float = 30.0
+    allow_special_tokens_in_messages: bool = False
 
 
 class ServeRequestError(ValueError):
@@ -105,7 +118,7 @@ def request_template_kwargs(body: dict) -> dict:
     return kwargs
 
 
-def check_request_fields(body: dict, limits: ServeLimits, count_field: str) -> dict:
+def check_request_fields(body: dict, limits: ServeLimits, count_field: str, vocab_size: int | None = None) -> dict:
     """Refuse the fields transformers' handlers would fail on with a 500, and bound the new tokens.
 
     Args:
@@ -113,20 +126,30 @@ def check_request_fields(body: dict, limits: ServeLimits, count_field: str) -> d
         limits: the server's limits (``max_tokens``).
         count_field: the endpoint's token-count field, set to ``limits.max_tokens`` when the
             request names none (``max_tokens`` or ``max_output_tokens``).
+        vocab_size: the model's vocabulary size (``logit_bias`` ids are below it); None: not
+            checked here.
 
     Returns:
-        The body to serve (a copy when a count was added).
+        The body to serve (a copy when a count was added or ``logit_bias`` values became floats,
+        as transformers' ``sequence_bias`` takes them).
 
     Raises:
         ServeRequestError: a sampling number outside its range (temperature [0, 2], top_p [0, 1],
             frequency_penalty [-0.99, 2], presence_penalty [-2, 2]) or not a number; a token
             count that is not an integer in [1, ``limits.max_tokens``]; a ``seed`` outside 64
             bits; a ``stop`` that is not a string or list of strings; a ``logit_bias`` that is
-            not token ids to numbers in [-100, 100]; a ``suffix`` that is not a string; a
-            ``generation_config`` that is not a JSON object string of
-            :data:`GENERATION_CONFIG_KEYS` transformers' `GenerationConfig` takes.
+            not token ids (below `vocab_size`) to numbers in [-100, 100]; a ``suffix`` that is not
+            a string; a ``generation_config`` that is not a JSON object string of
+            :data:`GENERATION_CONFIG_KEYS` transformers' `GenerationConfig` takes; an ``n`` other
+            than 1 (one choice per request is served); a string anywhere in the body holding a lone
+            UTF-16 surrogate (it cannot be encoded as UTF-8, so not tokenized).
     """
     from transformers import GenerationConfig
+
+    _check_encodable(body, "body")
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n != 1):
+        raise ServeRequestError(f"n must be 1: this server answers one choice per request, got n={n!r:.100}")
 
     for name, (low, high) in _NUMBER_FIELDS.items():
         value = body.get(name)
@@ -154,6 +177,13 @@ def check_request_fields(body: dict, limits: ServeLimits, count_field: str) -> d
         and all(not isinstance(v, bool) and isinstance(v, (int, float)) and -100 <= v <= 100 for v in bias.values())
     ):
         raise ServeRequestError(f"logit_bias must map token ids (digit strings) to numbers in [-100, 100], got {bias!r:.100}")
+    if bias is not None:
+        outside = [k for k in bias if vocab_size is not None and int(k) >= vocab_size]
+        if outside:
+            raise ServeRequestError(
+                f"logit_bias names token ids outside the vocabulary (ids 0 to {vocab_size - 1}): {outside[:5]}"
+            )
+        body = {**body, "logit_bias": {k: float(v) for k, v in bias.items()}}
     if body.get("suffix") is not None and not isinstance(body["suffix"], str):
         raise ServeRequestError(f"suffix must be a string, got {body['suffix']!r:.100}")
     config = body.get("generation_config")
@@ -177,6 +207,25 @@ def check_request_fields(body: dict, limits: ServeLimits, count_field: str) -> d
     return body
 
 
+def _check_encodable(value, where: str) -> None:
+    """Refuse a lone surrogate in any string of a JSON value (keys too)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ServeRequestError(
+                f"{where} holds a lone UTF-16 surrogate {value[err.start]!r} at character {err.start}: not valid "
+                "Unicode text"
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_encodable(key, where)
+            _check_encodable(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_encodable(item, f"{where}[{i}]")
+
+
 def check_responses_input(body: dict) -> None:
     """Refuse a Responses request whose ``input`` is not a non-empty string or list of objects.
 
@@ -193,7 +242,9 @@ def check_messages(body: dict) -> None:
 
     Raises:
         ServeRequestError: ``messages`` missing or empty, a message that is not an object with a
-            string ``role``, or content that is not a string, null or a list of typed parts.
+            string ``role``, content that is not a string, null or a list of typed parts, or no
+            user (or tool) message: a conversation of system messages only has no assistant
+            prompt to answer.
     """
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -209,6 +260,10 @@ def check_messages(body: dict) -> None:
             raise ServeRequestError(
                 f"messages[{i}].content must be a string, null or a list of parts with a type, got {content!r:.200}"
             )
+    if not any(message["role"] in ("user", "tool") for message in messages):
+        # the template writes the assistant header after a user turn (or tool results), as the
+        # reference encoding does: without one the model would go on writing the prompt itself
+        raise ServeRequestError("messages hold no user message: the model answers a user turn (or tool results)")
 
 
 def check_request_images(processor_messages: list[dict], limits: ServeLimits) -> None:
@@ -231,12 +286,21 @@ def check_request_images(processor_messages: list[dict], limits: ServeLimits) ->
         for part in (message.get("content") if isinstance(message.get("content"), list) else [])
         if isinstance(part, dict) and part.get("type") == "image"
     ]
-    if len(parts) > limits.max_images:
-        raise ServeRequestError(
-            f"the request has {len(parts)} images; this server takes at most {limits.max_images} (--max-images)"
-        )
+    check_image_count(len(parts), limits)
     for part in parts:
         part["url"] = _checked_source(part.get("url"), limits)
+
+
+def check_image_count(count: int, limits: ServeLimits) -> None:
+    """Refuse a request with more images than the server takes.
+
+    Raises:
+        ServeRequestError: `count` > ``limits.max_images``.
+    """
+    if count > limits.max_images:
+        raise ServeRequestError(
+            f"the request has {count} images; this server takes at most {limits.max_images} (--max-images)"
+        )
 
 
 def _checked_source(url, limits: ServeLimits) -> str:
