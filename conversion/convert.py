@@ -81,15 +81,18 @@ DTYPES = (None, "bf16")
 GIB = 1024**3
 
 
-def _positive_bytes(what: str, value) -> int:
-    """`value` as a positive whole number of bytes.
+def _positive_bytes(what: str, value, unit: str = "bytes", scale: int = 1) -> int:
+    """`value` ``unit`` (`scale` bytes each) as a positive whole number of bytes.
 
     Raises:
-        DeepseekV41ConversionError: not a real number, not finite, or not positive.
+        DeepseekV41ConversionError: not a real number, not finite, not positive, or under one byte.
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-        raise DeepseekV41ConversionError(f"{what} must be a positive, finite number of bytes, got {value!r}")
-    return int(value)
+        raise DeepseekV41ConversionError(f"{what} must be a positive, finite number of {unit}, got {value!r}")
+    nbytes = int(value * scale)
+    if nbytes < 1:
+        raise DeepseekV41ConversionError(f"{what} {value!r} is under one byte")
+    return nbytes
 
 
 def shard_bytes_from_gib(gib) -> int:
@@ -99,12 +102,7 @@ def shard_bytes_from_gib(gib) -> int:
         DeepseekV41ConversionError: not a positive, finite number (``inf``, ``nan``, ``0``,
             ``-1``), or under one byte.
     """
-    if isinstance(gib, bool) or not isinstance(gib, numbers.Real) or not math.isfinite(gib) or gib <= 0:
-        raise DeepseekV41ConversionError(f"--max-shard-gib must be a positive, finite number of GiB, got {gib!r}")
-    nbytes = int(gib * GIB)
-    if nbytes < 1:
-        raise DeepseekV41ConversionError(f"--max-shard-gib {gib!r} is under one byte")
-    return nbytes
+    return _positive_bytes("--max-shard-gib", gib, "GiB", GIB)
 
 
 @dataclass
@@ -498,8 +496,6 @@ def convert_checkpoint(
         _check_space(dst.parent, sum(tensor_nbytes(s, d) for s, d in expected.values()))
 
     with stopping_signals():  # SIGTERM / SIGHUP clean up as Ctrl-C does
-        if link:  # nothing streams through the converter: read the source once for NaN / Inf
-            _check_linked_values(source, plans, max_slice_bytes, progress)
         created, tmp = [], None
         try:
             created = make_parents(dst.parent)
@@ -507,6 +503,8 @@ def convert_checkpoint(
             candidate = partial_folder(dst)
             candidate.mkdir()
             tmp = candidate  # ours from here on: removed on any failure
+            if link:  # nothing streams through the converter: read the source once for NaN / Inf
+                _check_linked_values(source, plans, max_slice_bytes, progress)
             _build(tmp, source, config, plans, expected, token_map, vl, summary, link=link, verify=verify,
                    max_slice_bytes=max_slice_bytes, max_shard_bytes=max_shard_bytes, progress=progress)
             publish(tmp, dst, replace=force)

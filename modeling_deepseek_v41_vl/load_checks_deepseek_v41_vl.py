@@ -51,6 +51,8 @@ def _extremes(tensor: torch.Tensor) -> list[tuple[tuple, torch.Tensor]]:
             (("not 0xFF", torch.uint8), tensor.view(torch.uint8).max()),
             (("not 0x7F", torch.int8), torch.aminmax(tensor.view(torch.int8)).max),  # faster than max() here
         ]
+    if tensor.dtype in NONFINITE_CODES:  # any other dtype with such codes: the rule itself
+        return [(("none", torch.bool), nonfinite_mask(tensor, tensor.dtype).any())]
     return []
 
 
@@ -59,6 +61,7 @@ _TESTS = {
     "finite": lambda values: ~torch.isfinite(values),
     "not 0xFF": lambda values: values == 0xFF,
     "not 0x7F": lambda values: values == 0x7F,
+    "none": lambda values: values,
 }
 
 
@@ -84,7 +87,7 @@ def nonfinite_mask(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         KeyError: `dtype` has no non-finite codes (integers, packed fp4).
     """
     view, mask = NONFINITE_CODES[dtype]
-    return torch.bitwise_and(codes.view(view), mask).eq_(mask)
+    return torch.bitwise_and(codes.view(view), mask) == mask
 
 
 def _non_finite_mask(tensor: torch.Tensor) -> torch.Tensor:
