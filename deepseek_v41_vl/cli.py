@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import stat
 import shutil
 import sys
 import tempfile
@@ -30,10 +29,11 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from deepseek_v41_vl.processing.image_processing_deepseek_v41_vl import DEFAULT_MAX_IMAGE_BYTES
+
 BUNDLED_PHOTO = "chelsea.png"  # scikit-image's `chelsea`, a real photo (451x300 RGB PNG)
 DEFAULT_PROMPT = "Describe this image."
 DEFAULT_MAX_NEW_TOKENS = 24
-DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024  # as `serve --max-image-bytes`
 
 
 def bundled_photo() -> Path:
@@ -225,25 +225,19 @@ def is_official_checkpoint(folder: Path) -> bool:
 
 def check_image_path(src: str, max_image_bytes: int | None = None) -> None:
     """Refuse, before anything is read or loaded, a local image path that `run` could not read
-    safely: a missing path, or one that is not a regular file (a FIFO would block `open` forever, a
-    device such as /dev/zero would never end), or a file over `max_image_bytes` (None: not checked
-    here). URLs (``http(s)://``, ``data:``) are left to the image processor, which reads them under
-    its byte cap.
+    safely: the image processor's rule (`check_image_file`: a missing path, or one that is not a
+    regular file), or a file over `max_image_bytes` (None: not checked here). URLs (``http(s)://``,
+    ``data:``) are left to the image processor, which reads them under its byte cap.
 
     Raises:
         DeepseekV41ImageError: naming the path and the problem (a ValueError).
     """
-    from deepseek_v41_vl.processing.errors_deepseek_v41_vl import DeepseekV41ImageError, DeepseekV41ImageTooLargeError
+    from deepseek_v41_vl.processing.errors_deepseek_v41_vl import DeepseekV41ImageTooLargeError
+    from deepseek_v41_vl.processing.image_processing_deepseek_v41_vl import check_image_file
 
     if src[:8].lower().startswith(("http://", "https://", "data:")):
         return
-    try:
-        info = os.stat(src)  # follows symlinks; never opens the file
-    except OSError as err:
-        raise DeepseekV41ImageError(f"cannot read image file {src!r}: {err.strerror or err}") from None
-    if not stat.S_ISREG(info.st_mode):
-        kind = "a FIFO" if stat.S_ISFIFO(info.st_mode) else "a directory" if stat.S_ISDIR(info.st_mode) else "a device"
-        raise DeepseekV41ImageError(f"image {src!r} is {kind}, not a regular file")
+    info = check_image_file(src)  # os.stat: follows symlinks, never opens the file
     if max_image_bytes is not None and info.st_size > max_image_bytes:
         raise DeepseekV41ImageTooLargeError(
             f"image file {src!r} has {info.st_size} bytes, over --max-image-bytes={max_image_bytes}"

@@ -11,7 +11,9 @@ same, which is why it stays the default. With `split_special_tokens=True` the pr
 2. renders the marked messages with the chat template; the template's own tokens are unmarked;
 3. tokenizes the rendering piece by piece (:func:`split_marked`): unmarked text as usual, each
    marked token with :func:`encode_as_text`, which runs the tokenizer's normalizer, pre-tokenizer
-   and model without matching any added token.
+   and model without matching any added token. Offsets index the rendering without the markers
+   (the text `apply_chat_template(..., tokenize=False)` gives); :func:`marker_replacement_offsets`
+   maps positions of the marked rendering there.
 
 The tokenizer splits its input at every added token anyway, so the text around a marked token is
 tokenized exactly as by default: only the marked tokens' ids change, and the ids decode back to
@@ -77,8 +79,9 @@ class ControlTokenMarkers:
 
 
 def split_marked(text: str, markers: ControlTokenMarkers) -> list[tuple[str, bool, int]]:
-    """`text` as pieces `(piece, marked, start)`: `start` is the piece's character position in
-    `text`, `marked` is True for a marked control token (the markers left out).
+    """`text` as pieces `(piece, marked, start)`: `marked` is True for a marked control token (the
+    markers left out); `start` is the piece's character position in `markers.strip(text)`, the
+    text the caller sees (the rendering without the markers), so offsets built on it index that.
 
     Raises:
         DeepseekV41ProcessorError: a marker without its partner (the template cut a marked string
@@ -86,13 +89,14 @@ def split_marked(text: str, markers: ControlTokenMarkers) -> list[tuple[str, boo
     """
     pieces: list[tuple[str, bool, int]] = []
     position = 0
+    removed = 0  # marker characters before `position`
     while position < len(text):
         open_at = text.find(markers.start, position)
         stray_end = text.find(markers.end, position)
         if open_at == -1:
             if stray_end != -1:
                 raise DeepseekV41ProcessorError("split_special_tokens: a control-token marker lost its opening half")
-            pieces.append((text[position:], False, position))
+            pieces.append((text[position:], False, position - removed))
             break
         body = open_at + len(markers.start)
         close_at = text.find(markers.end, body)
@@ -100,10 +104,29 @@ def split_marked(text: str, markers: ControlTokenMarkers) -> list[tuple[str, boo
         if -1 < stray_end < open_at or close_at == -1 or -1 < nested < close_at:
             raise DeepseekV41ProcessorError("split_special_tokens: a control-token marker lost its other half")
         if open_at > position:
-            pieces.append((text[position:open_at], False, position))
-        pieces.append((text[body:close_at], True, body))
+            pieces.append((text[position:open_at], False, position - removed))
+        removed += len(markers.start)
+        pieces.append((text[body:close_at], True, body - removed))
+        removed += len(markers.end)
         position = close_at + len(markers.end)
     return pieces
+
+
+def marker_replacement_offsets(text: str, markers: ControlTokenMarkers) -> list[dict[str, tuple[int, int]]]:
+    """Where the markers stand in `text` and where their removal leaves the text after them, in
+    transformers' `text_replacement_offsets` form: one `{"span": (start, end), "new_span": (at, at)}`
+    per marker, in order, `span` in `text` and `at` in `markers.strip(text)`. ProcessorMixin shifts
+    the character positions it found in the marked rendering (the assistant spans of
+    `return_assistant_tokens_mask`) by `new_span[1] - span[1]` of the last marker before them, which
+    maps them into the text without markers that the offsets index."""
+    pattern = re.compile(re.escape(markers.start) + "|" + re.escape(markers.end))
+    out: list[dict[str, tuple[int, int]]] = []
+    removed = 0
+    for found in pattern.finditer(text):
+        at = found.start() - removed
+        out.append({"span": (found.start(), found.end()), "new_span": (at, at)})
+        removed += found.end() - found.start()
+    return out
 
 
 def encode_as_text(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -172,4 +195,4 @@ def _cumulative(sizes: Iterable[int]) -> list[int]:
     return out
 
 
-__all__ = ["ControlTokenMarkers", "encode_as_text", "split_marked"]
+__all__ = ["ControlTokenMarkers", "encode_as_text", "marker_replacement_offsets", "split_marked"]

@@ -465,7 +465,9 @@ def mark_image_blocks(
 
 def _arguments_mapping(arguments: Any, where: str) -> Any:
     """Tool-call arguments as a mapping: a mapping as it is, a JSON string of an object parsed
-    (double-encoded JSON tolerated, as upstream `encode_arguments_to_dsml` does).
+    (double-encoded JSON tolerated, as upstream `encode_arguments_to_dsml` does), an empty or
+    whitespace-only string as `{}` (no arguments: what OpenAI-compatible clients send for a call
+    of a tool without parameters).
 
     Raises:
         DeepseekV41ProcessorError: anything else (invalid JSON, a JSON array / number / string /
@@ -474,6 +476,8 @@ def _arguments_mapping(arguments: Any, where: str) -> Any:
     """
     if isinstance(arguments, Mapping):
         return arguments
+    if isinstance(arguments, str) and not arguments.strip():
+        return {}  # OpenAI-compatible clients send "" for a call without arguments
     if isinstance(arguments, str):
         parsed: Any = arguments
         error = None
@@ -498,7 +502,8 @@ def _arguments_mapping(arguments: Any, where: str) -> Any:
 
 
 def normalize_tool_call_arguments(messages: list[Any]) -> list[Any]:
-    """A copy of `messages` whose tool-call `arguments` JSON strings are parsed into mappings.
+    """A copy of `messages` whose tool-call `arguments` JSON strings are parsed into mappings
+    (an empty or whitespace-only string is `{}`: a call without arguments).
 
     The chat template renders each argument as a DSML parameter and needs a mapping; OpenAI
     clients send a JSON string. Messages that are not dicts, and calls that are not dicts or have

@@ -322,25 +322,20 @@ def _read_source(src: Any, allow_urls: bool, max_image_bytes: int | None) -> byt
 def _read_file(path: str, max_image_bytes: int | None) -> bytes:
     """The bytes of the regular file at `path`, refusing anything else before reading.
 
-    The file is opened non-blocking and checked with `fstat` on the open descriptor (so the check
-    and the read see the same file): a FIFO or a character device (`/dev/zero`, a terminal) would
-    block or never end, a directory has no bytes. The size is checked against `max_image_bytes`
-    before reading, and the read stops one byte past the cap (the file may grow meanwhile).
+    The path is checked (:func:`check_image_file`) before it is opened (a socket cannot be opened,
+    a FIFO's `open` could block), then opened non-blocking and checked again with `fstat` on the
+    open descriptor, so the check and the read see the same file. The size is checked against
+    `max_image_bytes` before reading, and the read stops one byte past the cap (the file may grow
+    meanwhile).
     """
-    if "\0" in path:
-        raise DeepseekV41ImageError(f"image path {path!r} contains a NUL byte: not a valid file name")
+    check_image_file(path)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
     try:
         fd = os.open(path, flags)
     except (OSError, ValueError) as err:  # ValueError: a name the OS cannot take
         raise DeepseekV41ImageError(f"cannot read image file {path!r}: {err}") from err
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise DeepseekV41ImageError(
-                f"image path {path!r} is not a regular file but {_file_kind(info.st_mode)}: "
-                "only regular files are read"
-            )
+        info = check_image_file(path, os.fstat(fd))
         _check_bytes(info.st_size, max_image_bytes)
         file, fd = os.fdopen(fd, "rb"), None  # the file object owns the descriptor now
         with file:
@@ -354,12 +349,47 @@ def _read_file(path: str, max_image_bytes: int | None) -> bytes:
     return data
 
 
+def check_image_file(path: str, info: os.stat_result | None = None) -> os.stat_result:
+    """Refuse an image path that does not name a regular file, the only kind read as an image:
+    a FIFO blocks `open` until a writer comes, a device such as /dev/zero never ends, a directory
+    or a socket holds no image bytes.
+
+    Args:
+        path (`str`): the image's path.
+        info (`os.stat_result`, *optional*): the file's status when the caller has it, e.g.
+            `os.fstat` of the descriptor it reads (so the check and the read see the same file);
+            None: `os.stat(path)`, which follows symlinks and never opens the file.
+
+    Returns:
+        `os.stat_result`: the file's status (`st_size` is its size in bytes).
+
+    Raises:
+        DeepseekV41ImageError: `path` holds a NUL byte, cannot be examined (missing, no
+            permission) or is not a regular file ("image '/dev/zero' is a device, not a regular
+            file"); the message names the path and the problem.
+    """
+    _check_path_name(path)
+    if info is None:
+        try:
+            info = os.stat(path)
+        except (OSError, ValueError) as err:
+            raise DeepseekV41ImageError(f"cannot read image file {path!r}: {getattr(err, 'strerror', None) or err}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise DeepseekV41ImageError(f"image {path!r} is {_file_kind(info.st_mode)}, not a regular file")
+    return info
+
+
+def _check_path_name(path: str) -> None:
+    if "\0" in path:
+        raise DeepseekV41ImageError(f"image path {path!r} contains a NUL byte: not a valid file name")
+
+
 def _file_kind(mode: int) -> str:
     kinds = (
         (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a device"),
         (stat.S_ISSOCK, "a socket"),
     )
     return next((name for test, name in kinds if test(mode)), f"a special file (mode {mode:o})")
@@ -900,7 +930,9 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
             if isinstance(output[key], tuple):
                 output[key] = list(output[key])
         output["max_wh_ratio"] = self.max_wh_ratio  # saved even when None, for the reader
+        # the caps are saved even when None (off), so a reload does not put the default back on
         output["max_image_pixels"] = self.max_image_pixels
+        output["max_image_bytes"] = self.max_image_bytes
         return output
 
 
@@ -998,6 +1030,7 @@ __all__ = [
     "DEFAULT_MAX_IMAGE_PIXELS",
     "DeepseekV41ImageProcessor",
     "ImagePlan",
+    "check_image_file",
     "load_image",
     "normalize_and_patchify",
     "plan_image_grid",

@@ -42,7 +42,12 @@ from transformers.processing_utils import ProcessorMixin
 from transformers.utils import get_json_schema
 from transformers.utils.chat_template_utils import _get_template_variables, _normalize_chat_messages
 
-from .control_tokens_deepseek_v41_vl import ControlTokenMarkers, encode_as_text, split_marked
+from .control_tokens_deepseek_v41_vl import (
+    ControlTokenMarkers,
+    encode_as_text,
+    marker_replacement_offsets,
+    split_marked,
+)
 from .encoding_deepseek_v41_vl import (
     IMAGE_PLACEHOLDER,
     collect_images,
@@ -171,6 +176,43 @@ def _call_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     options = {key: value for key, value in options.items() if key in _CALL_OPTIONS}
     _check_call_options(options)
     return options
+
+
+def _chat_split_option(kwargs: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """(`split_special_tokens` of an `apply_chat_template` call, its kwargs without the option).
+
+    The option may come as the keyword, in `processor_kwargs`, in `text_kwargs` / `common_kwargs`
+    (at the top level, which transformers moves into `processor_kwargs`, or inside
+    `processor_kwargs`): every place is read and emptied, so `__call__` never sees it (there it
+    would tokenize the whole rendering, the template's structure included, as plain text). A
+    value of None counts as not given.
+
+    Raises:
+        DeepseekV41ProcessorError: a value that is not a bool, or places giving different values
+            (the message names them).
+    """
+    found: list[tuple[str, Any]] = []  # (where, value)
+
+    def take(options: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+        options = dict(options)
+        value = options.pop("split_special_tokens", None)
+        if value is not None:
+            found.append((f"{prefix}['split_special_tokens']" if prefix else "split_special_tokens", value))
+        for group in _GROUPED_OPTIONS:
+            if isinstance(options.get(group), Mapping):  # other values: `_call_options` refuses them
+                options[group] = take(options[group], f"{prefix}['{group}']" if prefix else group)
+        return options
+
+    kwargs = take(kwargs, "")
+    if isinstance(kwargs.get("processor_kwargs"), Mapping):
+        kwargs["processor_kwargs"] = take(kwargs["processor_kwargs"], "processor_kwargs")
+    for where, value in found:
+        if not isinstance(value, bool):
+            raise DeepseekV41ProcessorError(f"{where} must be True or False, got {value!r}")
+    if len({value for _, value in found}) > 1:
+        given = ", ".join(f"{where}={value}" for where, value in found)
+        raise DeepseekV41ProcessorError(f"split_special_tokens is given with different values ({given}): give one value")
+    return (found[0][1] if found else False), kwargs
 
 
 def _check_call_options(kwargs: dict[str, Any]) -> None:
@@ -411,10 +453,12 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
                 image placeholder still marks images. For chat messages use
                 `apply_chat_template(..., split_special_tokens=True)`, which keeps the template's
                 own tokens.
-            return_text_replacement_offsets (`bool`): accepted, and nothing is added: no text is
-                replaced (the spans expand as ids), so the offsets above already count the
-                prompt's own characters (what `apply_chat_template(return_assistant_tokens_mask=True)`
-                needs).
+            return_text_replacement_offsets (`bool`): accepted; the spans expand as ids, so no
+                image text is replaced and the offsets above count the prompt's own characters.
+                Only under `apply_chat_template(..., split_special_tokens=True)` is something
+                added: `text_replacement_offsets`, where the rendering's control-token markers were
+                removed (the offsets index the rendering without them), which ProcessorMixin uses
+                for `return_assistant_tokens_mask=True`.
             images_kwargs (`dict`, *optional*) and `allow_urls` (`bool`): passed to the image
                 processor. `patch_size` and `downsample_ratio` cannot be overridden per call: they
                 fix the span geometry, which must match the model's aligner (set them on the image
@@ -465,7 +509,7 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
         pieces = [
             self._prompt_pieces(prompt, kwargs.get("_control_token_markers"), bool(kwargs.get("split_special_tokens")))
             for prompt in prompts
-        ]
+        ]  # positions in the prompts as the caller sees them (without control-token markers)
         counts = [sum(kind == "image" for kind, _, _ in prompt_pieces) for prompt_pieces in pieces]
         per_prompt_images = self._assign_images(images, counts)
         flat_images = [image for group in per_prompt_images for image in group]
@@ -480,6 +524,7 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
         add_special_tokens = kwargs.get("add_special_tokens")
         prefix, suffix = self._special_affixes() if add_special_tokens is not False else ([], [])
         with_offsets = bool(kwargs.get("return_offsets_mapping"))
+        markers = kwargs.get("_control_token_markers")
         sequences, mm_types, offsets = [], [], []
         image_index = 0
         for sample, (prompt, prompt_pieces) in enumerate(zip(prompts, pieces)):
@@ -517,7 +562,8 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
             types += [0] * len(suffix)
             sequences.append(ids)
             mm_types.append(types)
-            offsets.append(spans + [(len(prompt), len(prompt))] * len(suffix))
+            shown = len(markers.strip(prompt)) if markers is not None else len(prompt)
+            offsets.append(spans + [(shown, shown)] * len(suffix))
 
         columns = {"input_ids": sequences, "mm_token_type_ids": mm_types}
         if with_offsets:
@@ -525,14 +571,18 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
         self._truncate(columns, kwargs)
         data = _int64_columns(self._pad(columns, kwargs), return_tensors)
         data.update(image_inputs)
-        return BatchFeature(data=data, tensor_type=return_tensors)
+        if markers is not None and kwargs.get("return_text_replacement_offsets"):
+            # ProcessorMixin maps the assistant spans it found in the marked rendering with these
+            data["text_replacement_offsets"] = [marker_replacement_offsets(prompt, markers) for prompt in prompts]
+        return BatchFeature(data=data, tensor_type=return_tensors, skip_tensor_conversion=["text_replacement_offsets"])
 
     @staticmethod
     def _prompt_pieces(prompt: str, markers: ControlTokenMarkers | None, split_all: bool) -> list[tuple[str, str, int]]:
         """`prompt` as `(kind, text, start)` pieces in order: "image" (a placeholder), "text"
         (tokenized as usual) or "plain" (tokenized matching no added token: a control token the
         messages held, between `markers`, or every text with `split_all`). `start` is the piece's
-        character position in `prompt`. A marked piece is never an image, whatever it holds."""
+        character position in `prompt` without the markers (`markers.strip(prompt)`, the text the
+        caller sees). A marked piece is never an image, whatever it holds."""
         marked = split_marked(prompt, markers) if markers is not None else [(prompt, False, 0)]
         pieces: list[tuple[str, str, int]] = []
         for text, is_marked, start in marked:
@@ -682,7 +732,11 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
         turn; the template's own structure (BOS, role tokens, `</think>`, DSML tags, the image
         placeholder of each image block) keeps its special ids, and the ids still decode to the
         rendered text. Text without control tokens gets the default ids. The image placeholder
-        typed in text is refused either way (see `control_tokens_deepseek_v41_vl`).
+        typed in text is refused either way (see `control_tokens_deepseek_v41_vl`). Offsets
+        (`processor_kwargs={"return_offsets_mapping": True}`) and `assistant_masks` index that
+        rendered text: the string the same call with `tokenize=False` and without
+        `split_special_tokens` returns (with `split_special_tokens=True`, `tokenize=False` is refused:
+        a string cannot tell the typed control tokens from the template's).
 
         With `tokenize=True, return_dict=True` the images of the `{"type": "image"}` /
         `{"type": "image_url"}` blocks of the messages the template actually emits are loaded, in
@@ -696,16 +750,15 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
                 or mode, conflicting `thinking_mode` / `enable_thinking`, unknown role, bad
                 tools...); an emitted image block has no source (or several); a video / audio
                 block; `documents` (the template does not render them); or the images do
-                not match the placeholders; `split_special_tokens` not a bool, or True without
-                `tokenize=True`; message text that is not valid Unicode (a lone surrogate).
+                not match the placeholders; `split_special_tokens` not a bool, given with
+                different values in several places (see below), or True without `tokenize=True`;
+                message text that is not valid Unicode (a lone surrogate).
+
+        `split_special_tokens` is read from every place transformers accepts it (the keyword,
+        `processor_kwargs`, their `text_kwargs` / `common_kwargs`) and never reaches `__call__`,
+        where it would tokenize the template's own tokens as text too.
         """
-        split = kwargs.pop("split_special_tokens", False)
-        processor_kwargs = dict(kwargs.get("processor_kwargs") or {})
-        if "split_special_tokens" in processor_kwargs:  # the same option, in the grouped form
-            split = processor_kwargs.pop("split_special_tokens") or split
-            kwargs = {**kwargs, "processor_kwargs": processor_kwargs}
-        if not isinstance(split, bool):
-            raise DeepseekV41ProcessorError(f"split_special_tokens must be True or False, got {split!r}")
+        split, kwargs = _chat_split_option(kwargs)
         if split and not kwargs.get("tokenize", False):
             raise DeepseekV41ProcessorError(
                 "split_special_tokens=True needs tokenize=True: the rendered text cannot tell the control tokens "

@@ -670,12 +670,77 @@ def test_paths_that_are_not_regular_files_are_refused_before_reading(tmp_path):
         os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
         pytest.fail("reading a FIFO blocked")
     assert isinstance(outcome.get("error"), DeepseekV41ImageError), outcome
-    assert "FIFO" in str(outcome["error"]) and str(fifo) in str(outcome["error"])
+    assert str(outcome["error"]) == f"image {str(fifo)!r} is a FIFO, not a regular file"
     # explicit byte cap so that the old unbounded read cannot run away here
-    with pytest.raises(DeepseekV41ImageError, match=r"'/dev/zero' is not a regular file but a character device"):
+    with pytest.raises(DeepseekV41ImageError, match=r"^image '/dev/zero' is a device, not a regular file$"):
         load_image("/dev/zero", max_image_bytes=1 << 20)
-    with pytest.raises(DeepseekV41ImageError, match="not a regular file but a directory"):
+    with pytest.raises(DeepseekV41ImageError, match="is a directory, not a regular file"):
         load_image(str(tmp_path))
+
+
+def test_the_regular_file_rule_is_one_public_check_shared_with_the_cli(tmp_path):
+    # regression: the CLI had its own copy of the rule, worded differently, calling a socket "a device"
+    import os
+    import socket
+
+    from deepseek_v41_vl.cli import check_image_path
+    from deepseek_v41_vl.processing.image_processing_deepseek_v41_vl import check_image_file
+
+    fifo = tmp_path / "pipe.png"
+    os.mkfifo(fifo)
+    path = tmp_path / "s.png"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(path))
+        kinds = {str(path): "a socket", str(fifo): "a FIFO", "/dev/zero": "a device", str(tmp_path): "a directory"}
+        for src, kind in kinds.items():
+            expected = f"image {src!r} is {kind}, not a regular file"
+            for check in (check_image_file, check_image_path, lambda s: load_image(s, max_image_bytes=1 << 20)):
+                with pytest.raises(DeepseekV41ImageError) as info:
+                    check(src)
+                assert str(info.value) == expected, check
+    photo = tmp_path / "ok.png"
+    Image.new("RGB", (4, 4)).save(photo)
+    assert check_image_file(str(photo)).st_size == photo.stat().st_size
+    with pytest.raises(DeepseekV41ImageError, match="cannot read image file .*missing.png"):
+        check_image_file(str(tmp_path / "missing.png"))
+    with pytest.raises(DeepseekV41ImageError, match="NUL byte"):
+        check_image_path(str(tmp_path / "a\0b.png"))
+
+
+def test_the_cli_byte_default_is_the_image_processors():
+    from deepseek_v41_vl import cli
+    from deepseek_v41_vl.processing import image_processing_deepseek_v41_vl as module
+
+    # one definition: the CLI imports it (a copy would be a different object)
+    assert cli.DEFAULT_MAX_IMAGE_BYTES is module.DEFAULT_MAX_IMAGE_BYTES
+
+
+@pytest.mark.parametrize("cap", ["max_image_bytes", "max_image_pixels"])
+def test_a_cap_turned_off_stays_off_through_save_and_load(cap, tmp_path):
+    # regression: max_image_bytes=None was not saved, so the reload put the 20 MiB default back on
+    processor = DeepseekV41ImageProcessor(**{cap: None})
+    processor.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "preprocessor_config.json").read_text())[cap] is None
+    assert getattr(DeepseekV41ImageProcessor.from_pretrained(tmp_path), cap) is None
+
+
+def test_folders_saved_with_the_old_caps_keep_them_and_settings_passed_override(tmp_path):
+    import deepseek_v41_vl  # noqa: F401  (registers the Auto classes)
+    from transformers import AutoProcessor
+
+    from deepseek_v41_vl.processing.processing_deepseek_v41_vl import DeepseekV41Processor
+    from deepseek_v41_vl.processing.tokenizer_deepseek_v41_vl import load_deepseek_v41_tokenizer
+
+    # what a folder converted before the caps changed holds: the old pixel cap, no byte cap
+    old = DeepseekV41ImageProcessor(max_image_pixels=178_956_970, max_image_bytes=None)
+    DeepseekV41Processor(image_processor=old, tokenizer=load_deepseek_v41_tokenizer()).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "processor_config.json").read_text())
+    config["image_processor"].pop("max_image_bytes")
+    (tmp_path / "processor_config.json").write_text(json.dumps(config))
+    loaded = AutoProcessor.from_pretrained(tmp_path).image_processor
+    assert (loaded.max_image_pixels, loaded.max_image_bytes) == (178_956_970, 20 * 1024 * 1024)
+    raised = AutoProcessor.from_pretrained(tmp_path, max_image_pixels=200_000_000, max_image_bytes=64 << 20).image_processor
+    assert (raised.max_image_pixels, raised.max_image_bytes) == (200_000_000, 64 << 20)
 
 
 def test_default_byte_cap_bounds_every_read():
