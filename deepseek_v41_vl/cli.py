@@ -343,6 +343,17 @@ def _make_tiny(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"] and argv[1:2] not in (["-h"], ["--help"]):
+        # everything after `serve` is the server's, a leading option included (argparse's
+        # REMAINDER refuses one, as in `serve --device cpu` with no model folder)
+        from .serve import serve
+
+        try:
+            return serve(argv[1:])
+        except ValueError as err:
+            print(f"deepseek-v41-vl serve: error: {err}", file=sys.stderr)
+            return 2
     args = _build_parser().parse_args(argv)
     try:
         if args.command == "run":

@@ -15,8 +15,12 @@ What it adds to the app transformers builds:
 - the request policy of `serve_policy.py` on chat completions, responses and completions: image
   limits (count, bytes, pixels, sources; see :class:`ServeLimits` for the options), the
   ``reasoning_effort`` mapping, and checks of the fields transformers would fail on with a 500;
-- image URLs (``--allow-image-urls``) fetched off the event loop within ``--image-fetch-timeout``
-  (`serve_images.py`);
+- each request's model resolved (loaded, on its first request) before any check, so the checks
+  that need the model (vocabulary, prompt cap) run for every request; a model whose processor
+  lacks the server's limits is refused (500 naming it), and the app is not built at all when
+  transformers' model manager does not load through the hooks;
+- image URLs (``--allow-image-urls``) fetched off the event loop within ``--image-fetch-timeout``,
+  a few at a time per request (`serve_images.py`);
 - the processor's limits (`serve_processor.py`): image caps, message text tokenized as text
   (typed control tokens cannot forge turns), ``--max-prompt-tokens``; on completions, the prompt
   cap and a refusal of the image placeholder. The hooks into transformers' internals, which differ
@@ -42,9 +46,11 @@ from .serve_policy import (
     ServeLimits,
     ServeRequestError,
     check_messages,
+    check_model_name,
     check_request_fields,
     check_request_images,
     check_responses_input,
+    check_user_turn,
     request_template_kwargs,
 )
 from .serve_processor import check_prompt_length, served_model
@@ -82,7 +88,13 @@ def serve(argv: list[str]) -> int:
         return int(bad.code or 0)
     if "--help" in rest:
         parser.print_help()
-    limits = ServeLimits(**vars(limits))
+    options = vars(limits)
+    if options.pop("api_server_count") != 1:
+        # transformers spawns the other API servers afresh, without this command's request policy
+        print("deepseek-v41-vl serve: --api-server-count must be 1 (the request policy runs in this process only)",
+              file=sys.stderr)
+        return 2
+    limits = ServeLimits(**options)
     if limits.image_dir is not None and not os.path.isdir(limits.image_dir):
         print(f"deepseek-v41-vl serve: --image-dir {limits.image_dir!r} is not a folder", file=sys.stderr)
         return 2
@@ -97,6 +109,9 @@ def serve(argv: list[str]) -> int:
         app(args=["serve", *rest], prog_name="deepseek-v41-vl")
     except SystemExit as done:  # typer ends with SystemExit in standalone mode
         return int(done.code or 0)
+    except ServeHooksError as err:  # the app transformers built does not load through the hooks
+        print(f"deepseek-v41-vl serve: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -130,6 +145,7 @@ def _limit_options() -> argparse.ArgumentParser:
                              f"(default {defaults.image_fetch_timeout:g})")
     parser.add_argument("--allow-special-tokens-in-messages", action="store_true",
                         help="let control tokens typed in message text become special tokens (off by default)")
+    parser.add_argument("--api-server-count", type=int, default=1, help=argparse.SUPPRESS)  # only 1 is served
     return parser
 
 
@@ -145,8 +161,10 @@ def _with_request_policy(build_server, limits: ServeLimits):
     from starlette.exceptions import HTTPException
 
     from .processing.errors_deepseek_v41_vl import DeepseekV41ProcessingError
+    from .serve_hooks import ServeHooksError, check_installed
 
     def build(model_manager, chat_handler, *args, **kwargs):
+        check_installed(model_manager)  # fails closed: no app whose processors lack the limits
         _apply_request_policy(chat_handler, limits, chat=True)
         _apply_request_policy(kwargs["response_handler"], limits, chat=False)
         _check_completions(kwargs["completion_handler"], limits)
@@ -161,6 +179,9 @@ def _with_request_policy(build_server, limits: ServeLimits):
         async def refused(_request, exc: Exception):
             return _openai_error(400, str(exc))
 
+        async def unhooked(_request, exc: ServeHooksError):
+            return _openai_error(500, str(exc), error_type="server_error")
+
         async def http_error(_request, exc: HTTPException):
             # transformers' own refusals (a model the server is not pinned to, unexpected fields)
             # carry `detail` only, which OpenAI clients do not show: add the OpenAI error shape
@@ -173,17 +194,18 @@ def _with_request_policy(build_server, limits: ServeLimits):
             built.add_exception_handler(ValueError, lambda request, exc: _openai_error(400, str(exc), detail=str(exc)))
         built.add_exception_handler(DeepseekV41ProcessingError, refused)
         built.add_exception_handler(ServeRequestError, refused)
+        built.add_exception_handler(ServeHooksError, unhooked)
         built.add_exception_handler(HTTPException, http_error)
         return built
 
     return build
 
 
-def _openai_error(status: int, message: str, headers=None, **extra):
+def _openai_error(status: int, message: str, headers=None, error_type: str = "invalid_request_error", **extra):
     """A JSON error response in the OpenAI shape (what OpenAI clients show)."""
     from fastapi.responses import JSONResponse
 
-    body = {"error": {"message": message, "type": "invalid_request_error"}, **extra}
+    body = {"error": {"message": message, "type": error_type}, **extra}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -208,17 +230,19 @@ def _apply_request_policy(handler, limits: ServeLimits, chat: bool) -> None:
 
         def checked_normalize(body):
             try:
-                return normalize(body)
+                messages = normalize(body)
             except (KeyError, TypeError, ValueError, AttributeError) as err:
                 raise ServeRequestError(f"malformed input item: {type(err).__name__}: {err}") from err
+            check_user_turn(messages)  # the rule of chat messages, on the messages the items become
+            return messages
 
         handler._normalize_input = checked_normalize
     handle_request = handler.handle_request
 
     async def handle(body: dict, request_id: str):
-        served = served_model(body.get("model"))
+        served = await _served_model(handler, body)
         body = check_request_fields(body, limits, "max_tokens" if chat else "max_output_tokens",
-                                    vocab_size=None if served is None else served.vocab_size)
+                                    vocab_size=served.vocab_size)
         if chat:
             check_messages(body)
             template_kwargs = request_template_kwargs(body)
@@ -237,6 +261,23 @@ def _apply_request_policy(handler, limits: ServeLimits, chat: bool) -> None:
     handler.handle_request = handle
 
 
+async def _served_model(handler, body: dict):
+    """The record of the model `body` names (see `serve_hooks.request_processor`), its model
+    loaded first on its first request: the checks that need it run for every request.
+
+    Raises:
+        ServeRequestError: ``model`` not a string.
+        ServeHooksError: the model's processor does not carry the server's limits.
+    """
+    import asyncio
+
+    from .serve_hooks import request_processor
+
+    check_model_name(body)
+    processor = await asyncio.to_thread(request_processor, handler, body)
+    return served_model(processor, body.get("model"))
+
+
 def _check_completions(handler, limits: ServeLimits) -> None:
     """Wrap the completions handler (a raw prompt, no messages) with the field checks, and refuse a
     prompt over the prompt cap or holding the image placeholder (it takes no images)."""
@@ -245,10 +286,10 @@ def _check_completions(handler, limits: ServeLimits) -> None:
     handle_request = handler.handle_request
 
     async def handle(body: dict, request_id: str):
-        served = served_model(body.get("model"))
-        body = check_request_fields(body, limits, "max_tokens", vocab_size=None if served is None else served.vocab_size)
+        served = await _served_model(handler, body)
+        body = check_request_fields(body, limits, "max_tokens", vocab_size=served.vocab_size)
         prompt = body.get("prompt")
-        if served is not None and isinstance(prompt, str):
+        if isinstance(prompt, str):
             image_token = getattr(served.processor, "image_token", None)
             if image_token and image_token in prompt:
                 raise ServeRequestError(

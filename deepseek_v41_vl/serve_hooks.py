@@ -11,7 +11,10 @@ transformers has no public hook for either, and its server's internals differ be
   model before loading.
 
 :func:`install` checks which layout is there and refuses, naming the transformers version, any
-other.
+other; :func:`check_installed` then checks that the server transformers builds loads through the
+hook (5.25's `Serve` looks ``ModelLoader`` up in `model_manager` when it starts, so rebinding that
+name is what it sees), and :func:`request_processor` resolves a request's model before any check
+runs, so every request is checked against its model's limits.
 """
 
 from __future__ import annotations
@@ -76,6 +79,58 @@ if _ModelLoader is not None:
             return _served(processor, model_id, self.serve_limits, self.trust_remote_code)
 
 
+def check_installed(model_manager) -> None:
+    """Refuse to serve when the model manager transformers built does not load through the hook.
+
+    Args:
+        model_manager: the `ModelManager` the server was built with.
+
+    Raises:
+        ServeHooksError: 5.25's manager holds a loader that is not :class:`ServeModelLoader`, or
+            5.24's manager class loads processors without the hook (names the transformers version).
+    """
+    import transformers
+
+    loader = getattr(model_manager, "loader", None)
+    if _ModelLoader is not None and loader is not None:
+        hooked = isinstance(loader, ServeModelLoader)
+    else:
+        hooked = getattr(type(model_manager)._load_processor, "serve_hook", False)
+    if not hooked:
+        raise ServeHooksError(
+            f"transformers {transformers.__version__}: the server's model manager loads processors without "
+            "deepseek-v41-vl serve's hook, so its limits would not apply; not serving"
+        )
+
+
+def request_processor(handler, body: dict):
+    """The processor transformers' `handler` renders `body` with: the request's model is resolved
+    (and loaded, on its first request) as the handler itself does, so its record is there before
+    any check (a blocking call: run it off the event loop).
+
+    Args:
+        handler: a transformers serving handler (chat completions, responses, completions).
+        body: the request's JSON body (not changed), its ``model`` a string or absent.
+
+    Raises:
+        ServeHooksError: the handler has neither 5.25's ``model_manager.get_engine`` nor 5.24's
+            ``_resolve_model``.
+        ValueError, fastapi.HTTPException: transformers' own refusals of the model (not the one the
+            server is pinned to, no model named...).
+    """
+    import transformers
+
+    manager = handler.model_manager
+    if callable(getattr(manager, "get_engine", None)):  # 5.25
+        return manager.get_engine(body.get("model")).processor
+    if callable(getattr(handler, "_resolve_model", None)):  # 5.24 (it rewrites body["model"]: a copy)
+        return handler._resolve_model(dict(body))[2]
+    raise ServeHooksError(
+        f"transformers {transformers.__version__}: the serving handler resolves models neither with "
+        "model_manager.get_engine (5.25) nor _resolve_model (5.24)"
+    )
+
+
 def install(limits: ServeLimits) -> None:
     """Hook this command into the transformers server of this environment (see the module doc).
 
@@ -109,4 +164,5 @@ def install(limits: ServeLimits) -> None:
         processor = load_processor(self, model_id_and_revision, *args, **kwargs)
         return _served(processor, model_id_and_revision, limits, getattr(self, "trust_remote_code", False))
 
+    load.serve_hook = True  # what `check_installed` looks for
     manager._load_processor = load

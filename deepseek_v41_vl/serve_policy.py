@@ -173,10 +173,12 @@ def check_request_fields(body: dict, limits: ServeLimits, count_field: str, voca
     bias = body.get("logit_bias")
     if bias is not None and not (
         isinstance(bias, dict)
-        and all(isinstance(k, str) and k.isdigit() for k in bias)
+        and all(isinstance(k, str) and k.isascii() and k.isdigit() for k in bias)  # not "²", which int() refuses
         and all(not isinstance(v, bool) and isinstance(v, (int, float)) and -100 <= v <= 100 for v in bias.values())
     ):
-        raise ServeRequestError(f"logit_bias must map token ids (digit strings) to numbers in [-100, 100], got {bias!r:.100}")
+        raise ServeRequestError(
+            f"logit_bias must map token ids (strings of ASCII digits) to numbers in [-100, 100], got {bias!r:.100}"
+        )
     if bias is not None:
         outside = [k for k in bias if vocab_size is not None and int(k) >= vocab_size]
         if outside:
@@ -226,6 +228,18 @@ def _check_encodable(value, where: str) -> None:
             _check_encodable(item, f"{where}[{i}]")
 
 
+def check_model_name(body: dict) -> None:
+    """Refuse a ``model`` that is not a string (checked first: the server looks the model up by it).
+
+    Raises:
+        ServeRequestError: ``model`` present and not a string, or holding a lone UTF-16 surrogate.
+    """
+    name = body.get("model")
+    if name is not None and not isinstance(name, str):
+        raise ServeRequestError(f"model must be a string naming the model, got {type(name).__name__} {name!r:.100}")
+    _check_encodable(name, "model")
+
+
 def check_responses_input(body: dict) -> None:
     """Refuse a Responses request whose ``input`` is not a non-empty string or list of objects.
 
@@ -260,7 +274,18 @@ def check_messages(body: dict) -> None:
             raise ServeRequestError(
                 f"messages[{i}].content must be a string, null or a list of parts with a type, got {content!r:.200}"
             )
-    if not any(message["role"] in ("user", "tool") for message in messages):
+    check_user_turn(messages)
+
+
+def check_user_turn(messages: list[dict]) -> None:
+    """Refuse a conversation with no user message (or tool result): one of system messages only
+    has no assistant prompt to answer. The one rule for chat ``messages`` and for a Responses
+    ``input`` (checked on the messages transformers turns its items into).
+
+    Raises:
+        ServeRequestError: no message with the role "user" or "tool".
+    """
+    if not any(isinstance(message, dict) and message.get("role") in ("user", "tool") for message in messages):
         # the template writes the assistant header after a user turn (or tool results), as the
         # reference encoding does: without one the model would go on writing the prompt itself
         raise ServeRequestError("messages hold no user message: the model answers a user turn (or tool results)")

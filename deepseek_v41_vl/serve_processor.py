@@ -40,14 +40,26 @@ class ServedModel:
 SERVED_MODELS: dict[str, ServedModel] = {}
 
 
-def served_model(name: str | None) -> ServedModel | None:
-    """The model a request names (or the only one loaded, for a request that names none or a name
-    this registry does not know, which transformers refuses itself); None before any is loaded."""
-    if name in SERVED_MODELS:
-        return SERVED_MODELS[name]
-    if len(SERVED_MODELS) == 1:
-        return next(iter(SERVED_MODELS.values()))
-    return None
+def served_model(processor, name: str) -> ServedModel:
+    """The record of the model whose processor a request is rendered with.
+
+    Args:
+        processor: the processor transformers' server resolved for the request.
+        name: the model's name, for the message.
+
+    Raises:
+        ServeHooksError: `processor` was not loaded through :func:`serve_processor`, so the
+            server's limits are not on it (the request is refused, not served without them).
+    """
+    for served in list(SERVED_MODELS.values()):
+        if served.processor is processor:
+            return served
+    from .serve_hooks import ServeHooksError
+
+    raise ServeHooksError(
+        f"the processor of model {name!r} was not loaded through deepseek-v41-vl serve's hooks, so the server's "
+        "limits are not on it: the request is refused"
+    )
 
 
 def serve_processor(processor, config, limits: ServeLimits, name: str):
@@ -89,12 +101,8 @@ def serve_processor(processor, config, limits: ServeLimits, name: str):
     def apply_chat_template(conversation, *args, **kwargs):
         if not limits.allow_special_tokens_in_messages:
             kwargs.setdefault("split_special_tokens", True)
-        try:
-            out = render(conversation, *args, **kwargs)
-        except MemoryError as err:  # a decoder's allocation for what an image header declares
-            raise ServeRequestError(
-                f"an image of the request cannot be decoded: it needs more memory than this server has ({err!r})"
-            ) from err
+        # a decoder's MemoryError is the image processor's DeepseekV41ImageTooLargeError already
+        out = render(conversation, *args, **kwargs)
         if kwargs.get("tokenize"):
             check_prompt_length(_length(out["input_ids"]), cap)
         return out
