@@ -6,7 +6,8 @@ at every stored element as it streams it (and, for ``--link``, in one reading pa
 - ``F64`` / ``F32`` / ``F16`` / ``BF16``: all exponent bits set (Inf or NaN);
 - ``F8_E4M3`` (e4m3fn, no Inf): the NaN codes ``0x7F`` and ``0xFF``;
 - ``F8_E5M2``: all exponent bits set (Inf or NaN);
-- ``F8_E8M0`` (power-of-two scales): ``0xFF`` is NaN;
+- ``F8_E8M0`` (power-of-two scales): ``0xFF`` is NaN, and ``0xF7``-``0xFE`` (2^120 and up) make
+  the dequantized weight overflow (448 x 2^120 > 2^128);
 - integer types, and packed fp4 (``I8``: E2M1 has no NaN or Inf code): every code is finite.
 
 The rule is the loader's (`load_checks_deepseek_v41_vl.NONFINITE_CODES`, which ``from_pretrained``
@@ -37,7 +38,7 @@ _TORCH_DTYPES = {
     "F8_E5M2": torch.float8_e5m2,
     "F8_E8M0": torch.float8_e8m0fnu,
 }
-_WHAT = {"F8_E4M3": "the e4m3 NaN code", "F8_E8M0": "the e8m0 NaN code 0xFF"}
+_WHAT = {"F8_E4M3": "the e4m3 NaN code", "F8_E8M0": "an e8m0 scale of 0xF7 or more (0xFF is NaN, the others 2^120 and up: the weights overflow)"}
 
 
 def can_hold_nonfinite(dtype: str) -> bool:

@@ -7,7 +7,8 @@ scale byte 0xFF (NaN) makes every logit NaN, and greedy decoding then emits toke
 
 - float tensors (fp32 / bf16 / fp16): NaN or +-Inf, from one `torch.aminmax` per tensor (the min
   or max of a tensor holding a NaN is NaN, and an Inf is the min or the max);
-- e8m0 scales: the byte 0xFF (NaN; e8m0 has no Inf), from the byte view's max;
+- e8m0 scales: the byte 0xFF (NaN; e8m0 has no Inf) and the bytes 0xF7-0xFE (2^120 and up: times
+  an e4m3 value as large as 448 the weight overflows fp32 / bf16), from the byte view's max;
 - fp8 e4m3 weights: the codes 0x7F / 0xFF (NaN; e4m3fn has no Inf), from the max of the byte view
   read as uint8 (0xFF) and as int8 (0x7F).
 
@@ -28,12 +29,12 @@ from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # what a non-finite value of each dtype is, for the messages
-_WHAT = {torch.float8_e8m0fnu: "e8m0 scale bytes 0xFF (NaN)", torch.float8_e4m3fn: "e4m3 NaN codes (0x7F / 0xFF)"}
+_WHAT = {torch.float8_e8m0fnu: "e8m0 scale bytes of 0xF7 or more (0xFF is NaN, the others 2^120 and up: the weights overflow)", torch.float8_e4m3fn: "e4m3 NaN codes (0x7F / 0xFF)"}
 
 
 class DeepseekV41NonFiniteWeightError(DeepseekV41ModelError):
-    """A loaded weight holds NaN / Inf values (a float NaN or Inf, an e8m0 scale 0xFF, an e4m3 NaN
-    code): the model would compute NaN logits."""
+    """A loaded weight holds NaN / Inf values (a float NaN or Inf, an e8m0 scale 0xFF or 2^120 and
+    up, an e4m3 NaN code): the model would compute NaN logits."""
 
 
 def _extremes(tensor: torch.Tensor) -> list[tuple[tuple, torch.Tensor]]:
@@ -45,7 +46,7 @@ def _extremes(tensor: torch.Tensor) -> list[tuple[tuple, torch.Tensor]]:
     if tensor.dtype in _FLOATS:
         return [(("finite", tensor.dtype), value) for value in torch.aminmax(tensor)]
     if tensor.dtype == torch.float8_e8m0fnu:
-        return [(("not 0xFF", torch.uint8), tensor.view(torch.uint8).max())]
+        return [(("scale", torch.uint8), tensor.view(torch.uint8).max())]
     if tensor.dtype == torch.float8_e4m3fn:
         return [
             (("not 0xFF", torch.uint8), tensor.view(torch.uint8).max()),
@@ -60,34 +61,47 @@ def _extremes(tensor: torch.Tensor) -> list[tuple[tuple, torch.Tensor]]:
 _TESTS = {
     "finite": lambda values: ~torch.isfinite(values),
     "not 0xFF": lambda values: values == 0xFF,
+    "scale": lambda values: values >= E8M0_FIRST_REFUSED,
     "not 0x7F": lambda values: values == 0x7F,
     "none": lambda values: values,
 }
 
 
-# The one rule of what is not a finite number, by stored dtype (the converter reads it too):
-# dtype -> (integer view, exponent mask); a stored code is NaN or Inf when (code & mask) == mask.
-# e4m3fn has no Inf and NaN only at 0x7F / 0xFF; e8m0 has only NaN, 0xFF; packed fp4 has neither.
+# e8m0 scale bytes from here up are refused: 0xFF is NaN, and a scale of 2^120 or more times the
+# largest e4m3 value (448 > 2^8) reaches 2^128, past fp32's and bf16's range, so the dequantized
+# weight (and every logit after it) would be Inf / NaN. A real checkpoint's scales are near
+# amax / 448, far below.
+E8M0_FIRST_REFUSED = 127 + 120
+
+
+def _exponent_all_ones(mask: int):
+    return lambda codes: torch.bitwise_and(codes, mask) == mask
+
+
+# The one rule of what a stored weight may not hold, by dtype (the converter reads it too):
+# dtype -> (integer view, test of the codes). IEEE floats: all exponent bits set (NaN or Inf);
+# e4m3fn has no Inf and NaN only at 0x7F / 0xFF; e8m0 as above; packed fp4 has no such code.
 NONFINITE_CODES = {
-    torch.float64: (torch.int64, 0x7FF0000000000000),
-    torch.float32: (torch.int32, 0x7F800000),
-    torch.float16: (torch.int16, 0x7C00),
-    torch.bfloat16: (torch.int16, 0x7F80),
-    torch.float8_e4m3fn: (torch.uint8, 0x7F),
-    torch.float8_e5m2: (torch.uint8, 0x7C),
-    torch.float8_e8m0fnu: (torch.uint8, 0xFF),
+    torch.float64: (torch.int64, _exponent_all_ones(0x7FF0000000000000)),
+    torch.float32: (torch.int32, _exponent_all_ones(0x7F800000)),
+    torch.float16: (torch.int16, _exponent_all_ones(0x7C00)),
+    torch.bfloat16: (torch.int16, _exponent_all_ones(0x7F80)),
+    torch.float8_e4m3fn: (torch.uint8, _exponent_all_ones(0x7F)),
+    torch.float8_e5m2: (torch.uint8, _exponent_all_ones(0x7C)),
+    torch.float8_e8m0fnu: (torch.uint8, lambda codes: codes >= E8M0_FIRST_REFUSED),
 }
 
 
 def nonfinite_mask(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool tensor, True where `codes` (values of `dtype`, or their bytes viewed as any integer
-    type of the same width) are NaN or Inf by :data:`NONFINITE_CODES`.
+    type of the same width) are refused by :data:`NONFINITE_CODES`: NaN or Inf, or an e8m0 scale
+    of 2^120 or more.
 
     Raises:
-        KeyError: `dtype` has no non-finite codes (integers, packed fp4).
+        KeyError: `dtype` has no such codes (integers, packed fp4).
     """
-    view, mask = NONFINITE_CODES[dtype]
-    return torch.bitwise_and(codes.view(view), mask) == mask
+    view, test = NONFINITE_CODES[dtype]
+    return test(codes.view(view))
 
 
 def _non_finite_mask(tensor: torch.Tensor) -> torch.Tensor:
@@ -158,4 +172,4 @@ def refuse_a_random_vision_tower(model: nn.Module, info: dict, path) -> None:
         )
 
 
-__all__ = ["NONFINITE_CODES", "DeepseekV41NonFiniteWeightError", "check_finite_weights", "nonfinite_mask", "refuse_a_random_vision_tower"]
+__all__ = ["E8M0_FIRST_REFUSED", "NONFINITE_CODES", "DeepseekV41NonFiniteWeightError", "check_finite_weights", "nonfinite_mask", "refuse_a_random_vision_tower"]

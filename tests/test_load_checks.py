@@ -71,8 +71,9 @@ def _set_byte(code: int):
     [
         ("model.head.weight", _set_value(float("nan")), "NaN / Inf"),  # fp32
         ("model.embed.weight", _set_value(float("-inf")), "NaN / Inf"),  # bf16
-        ("model.layers.0.attn.wq_a.scale", _set_byte(0xFF), "e8m0 scale bytes 0xFF"),
-        ("model.layers.1.ffn.experts.0.w1.scale", _set_byte(0xFF), "e8m0 scale bytes 0xFF"),  # an fp4 expert's
+        ("model.layers.0.attn.wq_a.scale", _set_byte(0xFF), "e8m0 scale bytes of 0xF7 or more"),
+        ("model.layers.1.ffn.experts.0.w1.scale", _set_byte(0xFF), "e8m0 scale bytes of 0xF7 or more"),  # an fp4 expert's
+        ("model.layers.0.attn.wq_a.scale", _set_byte(0xFE), "e8m0 scale bytes of 0xF7 or more"),  # 2^127: Inf weights
         ("model.layers.0.attn.wq_a.weight", _set_byte(0x7F), "e4m3 NaN codes"),
         ("model.layers.0.attn.wq_a.weight", _set_byte(0xFF), "e4m3 NaN codes"),
     ],
