@@ -68,7 +68,7 @@ from ..modeling.checkpoint_names_deepseek_v41_vl import (
     vision_enabled,
 )
 from .safetensors_io import SafetensorsReader, SafetensorsWriter, read_header
-from .source import INDEX_FILE, SINGLE_FILE, SourceCheckpoint, engram_token_map, load_source
+from .source import INDEX_FILE, SINGLE_FILE, SourceCheckpoint, engram_token_map, load_source, read_json
 from .streaming import SourceAccess, check_tensor, verify_tensor, write_tensor
 
 DEFAULT_MAX_SLICE_BYTES = 512 * 1024**2
@@ -304,7 +304,7 @@ def _write_tokenizer(tmp: Path, source: SourceCheckpoint, config: DeepseekV41Con
 
     shutil.copyfile(source.tokenizer_file, tmp / "tokenizer.json")
     if source.tokenizer_config_file is not None:
-        data = json.loads(source.tokenizer_config_file.read_text(encoding="utf-8"))
+        data = read_json(source.tokenizer_config_file)
     else:
         text = config.text_config
         data = {
@@ -464,7 +464,7 @@ def convert_checkpoint(
 
     Raises:
         DeepseekV41ConversionError: any problem with the source (NaN / Inf weights included), the
-            request (`max_slice_bytes` / `max_shard_bytes` not positive and finite) or the
+            request (`link` with a `dtype`: a linked folder keeps the source storage; `max_slice_bytes` / `max_shard_bytes` not positive and finite) or the
             destination, raised before anything is written; a failure to write (a full disk, no
             permission, a file where a folder must go: the message names the path); `dst`
             appearing during the run without `force` (it is left untouched). Failures while
@@ -477,6 +477,11 @@ def convert_checkpoint(
     src, dst = Path(src), Path(dst)
     if dtype not in DTYPES:
         raise DeepseekV41ConversionError(f"dtype must be one of {DTYPES} (None keeps the source storage), got {dtype!r}")
+    if link and dtype is not None:
+        raise DeepseekV41ConversionError(
+            f"link=True cannot be combined with dtype={dtype!r}: a linked folder keeps the source storage "
+            "(its shards are the source's); convert without link to write bf16 weights"
+        )
     max_slice_bytes = _positive_bytes("max_slice_bytes", max_slice_bytes)
     max_shard_bytes = _positive_bytes("max_shard_bytes", max_shard_bytes)
     source = load_source(src)

@@ -72,6 +72,21 @@ def _parse_entry(path: Path, name: str, spec) -> tuple[str, tuple[int, ...], tup
     return dtype, tuple(shape), (offsets[0], offsets[1])
 
 
+def parse_json(path: Path, raw: bytes | str, what: str = "unreadable JSON"):
+    """`raw` (the text of the file `path`) parsed as JSON: the one place conversion parses a file's JSON.
+
+    Raises:
+        DeepseekV41ConversionError: ``<path>: <what> (<reason>)``: invalid UTF-8 or JSON, or nesting
+            too deep for the parser (Python's `RecursionError`).
+    """
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise DeepseekV41ConversionError(f"{path}: {what} (nested too deeply to parse)") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise DeepseekV41ConversionError(f"{path}: {what} ({exc})") from None
+
+
 def read_header(path: str | os.PathLike) -> Header:
     """Parse and validate the header of `path` (reads only the header bytes).
 
@@ -90,10 +105,7 @@ def read_header(path: str | os.PathLike) -> Header:
         (n,) = struct.unpack("<Q", raw)
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise DeepseekV41ConversionError(f"{path}: not a safetensors file (header length {n}, file size {size})")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise DeepseekV41ConversionError(f"{path}: corrupt safetensors header ({exc})") from None
+        header = parse_json(path, f.read(n), "corrupt safetensors header")
     if not isinstance(header, dict):
         raise DeepseekV41ConversionError(f"{path}: corrupt safetensors header (not a JSON object)")
     data_start = 8 + n
@@ -276,4 +288,4 @@ class SafetensorsWriter:
             raise self._failure(exc) from None
 
 
-__all__ = ["Entry", "Header", "SafetensorsReader", "SafetensorsWriter", "layout", "read_header"]
+__all__ = ["Entry", "Header", "SafetensorsReader", "SafetensorsWriter", "layout", "parse_json", "read_header"]

@@ -26,7 +26,7 @@ import torch
 
 from ..modeling.configuration_deepseek_v41_vl import DeepseekV41Config
 from ..modeling.checkpoint_names_deepseek_v41_vl import DeepseekV41ConversionError, official_inventory
-from .safetensors_io import Header, read_header
+from .safetensors_io import Header, parse_json, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -65,13 +65,20 @@ def _listed(names) -> str:
     return ", ".join(names[:_MAX_LISTED]) + more
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
+    """The JSON object in the file `path` (see :func:`parse_json`).
+
+    Raises:
+        DeepseekV41ConversionError: naming `path`: unreadable, not JSON, nested too deeply, or not
+            a JSON object.
+    """
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raw = path.read_bytes()
+    except OSError as exc:
         raise DeepseekV41ConversionError(f"{path}: unreadable JSON ({exc})") from None
+    data = parse_json(path, raw)
     if not isinstance(data, dict):
-        raise DeepseekV41ConversionError(f"{path}: expected a JSON object")
+        raise DeepseekV41ConversionError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
 
 
@@ -80,7 +87,7 @@ def _is_flat(data: dict) -> bool:
 
 
 def _config_from(path: Path) -> DeepseekV41Config:
-    data = _read_json(path)
+    data = read_json(path)
     try:
         if _is_flat(data):
             return DeepseekV41Config.from_reference_args(data)
@@ -123,7 +130,7 @@ def load_config(root: Path) -> tuple[DeepseekV41Config, list[Path]]:
 def _load_weights(root: Path) -> tuple[dict[str, Header], dict[str, str]]:
     index_path = root / INDEX_FILE
     if index_path.is_file():
-        index = _read_json(index_path)
+        index = read_json(index_path)
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise DeepseekV41ConversionError(f"{index_path}: no weight_map")
@@ -215,6 +222,8 @@ def load_source(src: str | Path) -> SourceCheckpoint:
     if not tokenizer.is_file():
         raise DeepseekV41ConversionError(f"{root}: no tokenizer.json (the converted folder ships it and the Engram token map needs it)")
     tokenizer_config = root / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        read_json(tokenizer_config)  # checked before anything is written; read again when copied
     return SourceCheckpoint(
         root, config, config_files, headers, locations, inventory, tokenizer, tokenizer_config if tokenizer_config.is_file() else None
     )
@@ -267,4 +276,4 @@ def engram_token_map(tokenizer_file: Path, config: DeepseekV41Config) -> torch.T
     return _TOKEN_MAP_CACHE[key]
 
 
-__all__ = ["INDEX_FILE", "SINGLE_FILE", "SourceCheckpoint", "check_inventory", "engram_token_map", "load_config", "load_source"]
+__all__ = ["INDEX_FILE", "SINGLE_FILE", "SourceCheckpoint", "check_inventory", "engram_token_map", "load_config", "load_source", "read_json"]

@@ -7,8 +7,9 @@ Subcommands:
           vision, prefill, decode tokens/s). Without `--model` it builds (once, cached under
           ``$XDG_CACHE_HOME/deepseek-v41-vl/tiny-<seed>``, default ``~/.cache``) a tiny random
           model with `make-tiny` + `convert` and uses that. Bad input (a folder that is not a
-          converted model, an image that is not a readable regular file or is over
-          `--max-image-bytes`) is one line on stderr and exit status 2.
+          converted model, an image that is not a readable regular file, is not an image or is
+          over `--max-image-bytes`, a URL not fetched within `--image-fetch-timeout`) is one line
+          on stderr and exit status 2; the images are all read before the model loads.
     convert    Official checkpoint folder -> self-contained transformers model folder
                (`deepseek_v41_vl.conversion.convert.convert_checkpoint`).
     make-tiny  A small random checkpoint in the official format, with the real tokenizer
@@ -34,6 +35,7 @@ from deepseek_v41_vl.processing.image_processing_deepseek_v41_vl import DEFAULT_
 BUNDLED_PHOTO = "chelsea.png"  # scikit-image's `chelsea`, a real photo (451x300 RGB PNG)
 DEFAULT_PROMPT = "Describe this image."
 DEFAULT_MAX_NEW_TOKENS = 24
+DEFAULT_IMAGE_FETCH_TIMEOUT = 30.0
 
 
 def bundled_photo() -> Path:
@@ -96,6 +98,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help="refuse an image file or URL of more encoded bytes (default: the model folder's image processor "
         f"setting, else {DEFAULT_MAX_IMAGE_BYTES}, 20 MiB)",
     )
+    run.add_argument(
+        "--image-fetch-timeout", type=float, default=DEFAULT_IMAGE_FETCH_TIMEOUT,
+        help=f"seconds the whole fetch of the http(s) --image URLs may take, all of them together "
+        f"(default {DEFAULT_IMAGE_FETCH_TIMEOUT:g}); done before the model loads",
+    )
     run.add_argument("--numerics", choices=["fast", "exact"], default="fast", help="exact: every rounding point of the reference")
     run.add_argument("--seed", type=int, default=0, help="seed of the tiny model built when --model is not given")
     run.add_argument("--allow-urls", action="store_true", help=argparse.SUPPRESS)  # URLs are always allowed now
@@ -104,7 +111,8 @@ def _build_parser() -> argparse.ArgumentParser:
     conv.add_argument("src", help="official layout: shards + model.safetensors.index.json (or model.safetensors), config, tokenizer")
     conv.add_argument("dst", help="folder to create")
     conv.add_argument("--dtype", choices=["bf16"], default=None, help="dequantize fp8 linears and fp4 experts to bf16 (default: keep)")
-    conv.add_argument("--link", action="store_true", help="write no tensor: symlink the source shards (transformed at load time)")
+    conv.add_argument("--link", action="store_true", help="write no tensor: symlink the source shards (transformed at load time); keeps the source "
+                      "storage, so it cannot be combined with --dtype")
     conv.add_argument("--text-only", action="store_true", help="drop the vision tower")
     conv.add_argument("--verify", action="store_true", help="re-read every written tensor and compare it with the source")
     conv.add_argument("--force", action="store_true", help="replace an existing DST")
@@ -244,6 +252,51 @@ def check_image_path(src: str, max_image_bytes: int | None = None) -> None:
         )
 
 
+def _is_http(src: str) -> bool:
+    return src[:8].lower().startswith(("http://", "https://"))
+
+
+def fetch_image_urls(sources: list[str], timeout: float, max_image_bytes: int) -> dict[str, bytes]:
+    """The bytes of the http(s) URLs among `sources`, all fetched within `timeout` seconds together
+    (one deadline for the whole fetch, not per read: a server sending a byte now and then cannot
+    hold it past the deadline), each at most `max_image_bytes`. The fetch is `serve`'s
+    (`serve_images`): http(s) only, redirects followed, each socket operation bounded by the time left.
+
+    Raises:
+        ValueError: naming the URL: not fetched within `timeout` (``--image-fetch-timeout``), over
+            `max_image_bytes`, or any fetch error.
+    """
+    urls = list(dict.fromkeys(s for s in sources if _is_http(s)))
+    if not urls:
+        return {}
+    import http.client
+
+    from .serve_images import _Fetch
+
+    deadline = time.monotonic() + timeout
+    fetched: dict[str, bytes] = {}
+    for src in urls:
+        try:
+            fetched[src] = _Fetch(src, deadline, max_image_bytes).read()
+        except TimeoutError:
+            raise ValueError(f"image URL {src[:100]!r} was not fetched within {timeout:g} s (--image-fetch-timeout)") from None
+        except ValueError:  # over the byte cap: the message names it
+            raise
+        except (OSError, http.client.HTTPException) as err:  # URLError, HTTPError, refused
+            raise ValueError(f"cannot fetch image URL {src[:100]!r}: {err}") from None
+    return fetched
+
+
+def _image_processor(model_dir: Path):
+    """The folder's image processor (its preprocessor_config.json; the defaults without one), read
+    without loading the model."""
+    from deepseek_v41_vl.processing.image_processing_deepseek_v41_vl import DeepseekV41ImageProcessor
+
+    if (model_dir / "preprocessor_config.json").is_file():
+        return DeepseekV41ImageProcessor.from_pretrained(str(model_dir))
+    return DeepseekV41ImageProcessor()
+
+
 def _run(args: argparse.Namespace) -> int:
     import torch
     from transformers import pipeline
@@ -255,6 +308,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.max_image_bytes is not None and args.max_image_bytes < 1:
         raise ValueError(f"--max-image-bytes must be at least 1, got {args.max_image_bytes}")
+    if not args.image_fetch_timeout > 0 or args.image_fetch_timeout == float("inf"):
+        raise ValueError(f"--image-fetch-timeout must be a positive number of seconds, got {args.image_fetch_timeout}")
     sources = args.image or [str(bundled_photo())]
     for src in sources:  # before the model loads: a bad path costs nothing
         check_image_path(src, args.max_image_bytes)
@@ -267,6 +322,23 @@ def _run(args: argparse.Namespace) -> int:
             f"`deepseek-v41-vl convert {model_dir} DST`, then pass --model DST"
         )
 
+    # Every image is fetched, opened and decoded under the folder's image settings before the
+    # model loads: a bad file or a slow URL costs no load.
+    settings = _image_processor(model_dir)
+    # --max-image-bytes, else the folder's own cap, else 20 MiB: never unbounded
+    max_image_bytes = args.max_image_bytes or getattr(settings, "max_image_bytes", None) or DEFAULT_MAX_IMAGE_BYTES
+    fetched = fetch_image_urls(sources, args.image_fetch_timeout, max_image_bytes)
+    images = [
+        load_image(
+            fetched.get(src, src),
+            max_image_pixels=settings.max_image_pixels,
+            exif_orientation=settings.exif_orientation,
+            allow_urls=True,
+            max_image_bytes=max_image_bytes,
+        )
+        for src in sources
+    ]
+
     t0 = time.perf_counter()
     # trust_remote_code=False: the installed package's classes, not the folder's copy of them
     pipe = pipeline(
@@ -274,18 +346,6 @@ def _run(args: argparse.Namespace) -> int:
     )
     t_load = time.perf_counter() - t0
     image_processor = pipe.processor.image_processor
-    # --max-image-bytes, else the folder's own cap, else 20 MiB: never unbounded
-    max_image_bytes = args.max_image_bytes or getattr(image_processor, "max_image_bytes", None) or DEFAULT_MAX_IMAGE_BYTES
-    images = [
-        load_image(
-            src,
-            max_image_pixels=image_processor.max_image_pixels,
-            exif_orientation=image_processor.exif_orientation,
-            allow_urls=True,
-            max_image_bytes=max_image_bytes,
-        )
-        for src in sources
-    ]
     names = [src.rsplit("/", 1)[-1] if "://" in src else Path(src).name for src in sources]
     print(f"model: {model_dir} ({type(pipe.model).__name__}, numerics {args.numerics}, "
           f"{sum(p.numel() for p in pipe.model.parameters()) / 1e6:.1f} M parameters, loaded in {t_load:.2f} s)")

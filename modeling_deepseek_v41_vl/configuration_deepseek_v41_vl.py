@@ -171,6 +171,17 @@ def check_argument_types(init, values: Mapping[str, Any], section: str) -> None:
             )
 
 
+def check_token_id(name: str, value, vocab_size) -> None:
+    """Refuse a token id outside ``[0, vocab_size)`` (after :func:`check_argument_types`), before a
+    tokenizer or an embedding is indexed with it.
+
+    Raises:
+        DeepseekV41ConfigError: naming `name`, the id and the vocabulary size.
+    """
+    if isinstance(value, int) and isinstance(vocab_size, int) and not 0 <= value < vocab_size:
+        raise DeepseekV41ConfigError(f"{name} must be a token id in [0, vocab_size={vocab_size}), got {_shown(value)}")
+
+
 def _shown(value) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -590,6 +601,7 @@ class DeepseekV41Config(PretrainedConfig):
         elif flat:
             text_config.weight_dtype = text_config.expert_weight_dtype = "bf16"
         text_config.validate_layout()
+        check_token_id("config.image_token_id", image_token_id, text_config.vocab_size)
         self.text_config = text_config
         self.vision_config = vision_config
         self.image_token_id = image_token_id

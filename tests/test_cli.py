@@ -145,3 +145,91 @@ def test_convert_refuses_a_shard_size_that_is_not_a_positive_finite_number(golde
     assert main(["convert", str(golden / "model_tiny_fp8"), str(dst), "--quiet", "--max-shard-gib", gib]) == 2
     assert "--max-shard-gib must be a positive, finite number" in capsys.readouterr().err
     assert not dst.exists()
+
+
+class _LoopbackImageServer:
+    """A local HTTP server on 127.0.0.1 for one test: ``body`` all at once, or (``trickle``) the
+    headers and then one byte every ``trickle`` seconds. It stops itself after ``lifetime`` seconds
+    at most, and on leaving the ``with`` block."""
+
+    def __init__(self, body: bytes = b"", trickle: float | None = None, lifetime: float = 30.0):
+        import socket
+        import threading
+
+        self.body, self.trickle, self.lifetime = body, trickle, lifetime
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.server.settimeout(0.2)
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}/photo.png"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        import time
+
+        end = time.monotonic() + self.lifetime
+        while not self.stop.is_set() and time.monotonic() < end:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                continue
+            with conn:
+                try:
+                    conn.settimeout(1.0)
+                    conn.recv(65536)  # the request
+                    length = len(self.body) if self.trickle is None else 10**6
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: %d\r\n\r\n" % length)
+                    if self.trickle is None:
+                        conn.sendall(self.body)
+                    while self.trickle is not None and not self.stop.wait(self.trickle) and time.monotonic() < end:
+                        conn.sendall(b"x")
+                except OSError:
+                    pass
+
+    def __enter__(self) -> "_LoopbackImageServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.server.close()
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """`run` must refuse before the model loads: loading it fails the test."""
+    import transformers
+
+    def pipeline(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(transformers, "pipeline", pipeline)
+
+
+def test_run_refuses_a_slow_image_url_by_the_overall_deadline(cache_home, no_model_load, capsys):
+    import time
+
+    model_dir = str(ensure_tiny_model(0))
+    with _LoopbackImageServer(trickle=0.2, lifetime=20) as server:
+        t0 = time.monotonic()
+        rc = main(["run", "--model", model_dir, "--image", server.url, "--image-fetch-timeout", "1"])
+        elapsed = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert rc == 2 and elapsed < 8, (rc, elapsed)
+    assert err == f"deepseek-v41-vl run: error: image URL {server.url!r} was not fetched within 1 s (--image-fetch-timeout)\n"
+
+
+def test_run_refuses_bad_images_before_the_model_loads(cache_home, no_model_load, tmp_path, capsys):
+    model_dir = str(ensure_tiny_model(0))
+    bogus = tmp_path / "bogus.png"
+    bogus.write_bytes(b"not an image\n")  # 13 bytes of text
+    assert main(["run", "--model", model_dir, "--image", str(bundled_photo()), "--image", str(bogus)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("deepseek-v41-vl run: error: ") and "Traceback" not in err
+    # a URL over the byte cap, and a bad fetch timeout
+    with _LoopbackImageServer(body=b"\x89PNG" + b"\0" * 5000) as server:
+        assert main(["run", "--model", model_dir, "--image", server.url, "--max-image-bytes", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "max_image_bytes=1000" in err
+    assert main(["run", "--model", model_dir, "--image-fetch-timeout", "0"]) == 2
+    assert "--image-fetch-timeout must be a positive number" in capsys.readouterr().err

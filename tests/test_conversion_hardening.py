@@ -200,6 +200,8 @@ def test_first_nonfinite_matches_torch_for_every_code():
     }
     for dtype, (codes, torch_dtype) in cases.items():
         finite = torch.isfinite(codes.view(torch_dtype).float())
+        if dtype == "F8_E8M0":  # scales of 2^120 and up are refused too: 448 x 2^120 overflows
+            finite &= codes.view(torch_dtype).float() < 2.0**120
         assert not finite.all(), dtype
         assert first_nonfinite(codes[finite], dtype) is None, dtype
         for code in codes[~finite]:
@@ -232,15 +234,28 @@ def test_a_nan_or_inf_weight_is_refused_before_anything_is_published(golden, tmp
     error = _refused(src, tmp_path / "dst", rf"tensor '{re.escape(name)}' in .*model\.safetensors holds ", verify=True, **MODES[mode])
     message = str(error)
     assert re.search(position, message), message
-    assert ("e8m0 NaN code 0xFF" in message) == name.endswith(".scale")
+    assert ("an e8m0 scale of 0xF7 or more" in message) == name.endswith(".scale")
     assert ("e4m3 NaN code" in message) == ("F8_E4M3" in message)
 
 
-def test_a_dequantized_value_that_overflows_is_refused(golden, tmp_path):
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("code", [b"\xf7", b"\xfe"])
+def test_a_finite_scale_whose_weights_overflow_is_refused(golden, tmp_path, mode, code):
+    # 2^120 (0xF7) and up: 448, the largest e4m3 value, times the scale is past fp32 / bf16, and
+    # every logit of a model with it is NaN
     src = _copy(golden / "model_tiny_fp8", tmp_path / "src")
-    _poke(src / SINGLE, "layers.3.attn.wq_a.weight", 0, b"\x7e")  # 448, the largest e4m3 value
-    _poke(src / SINGLE, "layers.3.attn.wq_a.scale", 0, b"\xfe")  # 2^127: 448 * 2^127 is past bf16
-    _refused(src, tmp_path / "dst", r"dequantizing 'layers\.3\.attn\.wq_a\.weight' .* gives Inf at \[0, 0\]", dtype="bf16")
+    _poke(src / SINGLE, "layers.3.attn.wq_a.weight", 0, b"\x7e")  # 448
+    _poke(src / SINGLE, "layers.3.attn.wq_a.scale", 0, code)
+    _refused(src, tmp_path / "dst", r"tensor 'layers\.3\.attn\.wq_a\.scale' .* holds an e8m0 scale of 0xF7 or more .*"
+             rf"\(0x{code.hex()}, F8_E8M0\) at (\[0, 0\]|element 0)", verify=True, **MODES[mode])
+
+
+def test_the_largest_scale_allowed_converts(golden, tmp_path):
+    # 2^119 (0xF6): 448 x 2^119 is still a finite bf16, so the bf16 conversion writes it
+    src = _copy(golden / "model_tiny_fp8", tmp_path / "src")
+    _poke(src / SINGLE, "layers.3.attn.wq_a.weight", 0, b"\x7e")
+    _poke(src / SINGLE, "layers.3.attn.wq_a.scale", 0, b"\xf6")
+    convert_checkpoint(src, tmp_path / "dst", dtype="bf16")
 
 
 def test_the_cli_refuses_a_nan_checkpoint_with_rc_2(golden, tmp_path, capsys):
@@ -373,3 +388,67 @@ def test_make_tiny_and_convert_under_a_file_path(golden, tmp_path, capsys):
     _refused(golden / "model_tiny_fp8", blocker / "sub" / "dst", rf"a file is where a folder must go: '{re.escape(str(blocker))}'")
     _nothing_left(tmp_path, {"a-file"})
     assert blocker.read_text() == "x"
+
+
+# --------------------------------------------------------------------------------------------
+# 7. JSON the parser cannot take, out-of-range ids, and options that do not go together:
+#    rc 2 with one line naming the file, before anything is written
+# --------------------------------------------------------------------------------------------
+
+SHARD = "model-00001-of-00002.safetensors"
+
+
+def _replace(path: Path, data: bytes) -> None:
+    path.unlink()  # it may be a symlink into the shared source
+    path.write_bytes(data)
+
+
+def _safetensors_blob(header: bytes) -> bytes:
+    return struct.pack("<Q", len(header)) + header
+
+
+BAD_FILES = {
+    "header of 200k '['": (SHARD, _safetensors_blob(b"[" * 200_000), rf"{SHARD}: corrupt safetensors header"),
+    "header nested 50k objects deep": (SHARD, _safetensors_blob(b'{"a":' * 50_000), rf"{SHARD}: corrupt safetensors header"),
+    "index of 100k '['": (INDEX, b"[" * 100_000, rf"{re.escape(INDEX)}: unreadable JSON"),
+    "tokenizer_config a list": ("tokenizer_config.json", b"[1]", r"tokenizer_config\.json: expected a JSON object, got list"),
+    "tokenizer_config cut off": ("tokenizer_config.json", b"{", r"tokenizer_config\.json: unreadable JSON"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_a_file_the_json_parser_cannot_take_is_named(tiny_source, tmp_path, capsys, case):
+    name, data, match = BAD_FILES[case]
+    src = _link_copy(tiny_source, tmp_path / "src")
+    _replace(src / name, data)
+    _refused(src, tmp_path / "dst", match)
+    assert main(["convert", str(src), str(tmp_path / "dst"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and re.search(match, err), err
+    _nothing_left(tmp_path, {"src"})
+
+
+@pytest.mark.parametrize("value", [-1, 10**12, 129280])
+def test_an_image_token_id_outside_the_vocabulary_is_refused(tiny_source, tmp_path, capsys, value):
+    src = _link_copy(tiny_source, tmp_path / "src")
+    _rewrite_json(src / "config.json", lambda d: d.update(image_token_id=value))
+    match = rf"config\.json: invalid config \(DeepseekV41ConfigError: config\.image_token_id must be a token id in \[0, vocab_size=129280\), got {value}"
+    _refused(src, tmp_path / "dst", match)
+    assert main(["convert", str(src), str(tmp_path / "dst"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and re.search(match, err), err
+
+
+def test_link_with_a_dtype_is_refused_up_front(tiny_source, tmp_path, capsys, monkeypatch):
+    def no_read(*args, **kwargs):
+        raise AssertionError("the source was read")
+
+    monkeypatch.setattr(convert_module, "load_source", no_read)
+    _refused(tiny_source, tmp_path / "dst", r"link=True cannot be combined with dtype='bf16'", link=True, dtype="bf16")
+    assert main(["convert", str(tiny_source), str(tmp_path / "dst"), "--link", "--dtype", "bf16", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "keeps the source storage" in err
+    _nothing_left(tmp_path, set())
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    assert "cannot be combined with --dtype" in " ".join(capsys.readouterr().out.split())
