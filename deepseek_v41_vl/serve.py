@@ -45,11 +45,13 @@ from .serve_images import fetch_image_urls
 from .serve_policy import (
     ServeLimits,
     ServeRequestError,
+    check_message_parts,
     check_messages,
     check_model_name,
     check_request_fields,
     check_request_images,
     check_responses_input,
+    check_tools,
     check_user_turn,
     request_template_kwargs,
 )
@@ -221,6 +223,8 @@ def _apply_request_policy(handler, limits: ServeLimits, chat: bool) -> None:
             raise ServeRequestError(f"malformed message: a part lacks its field {err}") from err
         except (TypeError, ValueError, AttributeError) as err:
             raise ServeRequestError(f"malformed message: {type(err).__name__}: {err}") from err
+        except RecursionError:  # the policy caps nesting first; this is the fallback
+            raise ServeRequestError("malformed message: nested too deep") from None
         check_request_images(inputs, limits)
         return inputs
 
@@ -233,6 +237,9 @@ def _apply_request_policy(handler, limits: ServeLimits, chat: bool) -> None:
                 messages = normalize(body)
             except (KeyError, TypeError, ValueError, AttributeError) as err:
                 raise ServeRequestError(f"malformed input item: {type(err).__name__}: {err}") from err
+            except RecursionError:  # the policy caps nesting first; this is the fallback
+                raise ServeRequestError("malformed input item: nested too deep") from None
+            check_message_parts(messages, "input")  # the rules of chat message parts
             check_user_turn(messages)  # the rule of chat messages, on the messages the items become
             return messages
 
@@ -243,6 +250,7 @@ def _apply_request_policy(handler, limits: ServeLimits, chat: bool) -> None:
         served = await _served_model(handler, body)
         body = check_request_fields(body, limits, "max_tokens" if chat else "max_output_tokens",
                                     vocab_size=served.vocab_size)
+        check_tools(body, responses=not chat)
         if chat:
             check_messages(body)
             template_kwargs = request_template_kwargs(body)

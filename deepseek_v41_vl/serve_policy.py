@@ -11,9 +11,11 @@ touched (the app wiring is `serve.py`).
   set only the template's switches, never the processor's options.
 - Fields transformers' handlers would turn into a bare 500 (``messages`` not a list of role
   messages, sampling numbers that are not numbers, a ``generation_config`` that does not parse,
-  ``logit_bias`` ids outside the vocabulary, a lone UTF-16 surrogate in any text) or answer wrongly
-  (``n`` other than 1, a conversation with no user message); integer ``logit_bias`` values become
-  the floats transformers takes.
+  ``logit_bias`` ids outside the vocabulary, a lone UTF-16 surrogate in any text, ``tools`` not a
+  list of function tools, a field or tool-call ``arguments`` nesting lists and objects deeper than
+  the processor's ``MAX_JSON_DEPTH`` (64) levels) or answer wrongly or silently (``n`` other than 1,
+  a conversation with no user message, a text part whose text is not a string, a part of a type
+  other than text or image); integer ``logit_bias`` values become the floats transformers takes.
 
 Every refusal is a :class:`ServeRequestError`, answered with HTTP 400 and its message.
 """
@@ -24,6 +26,8 @@ import json
 import os
 import re
 from dataclasses import dataclass
+
+from .processing.encoding_deepseek_v41_vl import MAX_JSON_DEPTH, deep_message_part, json_depth
 
 # The chat template's switches a request may set through `chat_template_kwargs`.
 REQUEST_TEMPLATE_SWITCHES = ("thinking_mode", "enable_thinking", "reasoning_effort", "drop_thinking")
@@ -39,6 +43,13 @@ GENERATION_CONFIG_KEYS = (
 )
 # the token-count fields of chat completions, completions and responses
 _COUNT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+# the message part types transformers' handlers turn into text or an image (chat completions and
+# Responses spellings); others (audio, video, files) it would drop silently
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+IMAGE_PART_TYPES = ("image_url", "input_image")
+# the longest logit_bias key read as a token id (a longer one is no id of any vocabulary, and
+# Python refuses to convert more than 4300 digits)
+_MAX_ID_DIGITS = 20
 
 
 @dataclass(frozen=True)
@@ -141,11 +152,22 @@ def check_request_fields(body: dict, limits: ServeLimits, count_field: str, voca
             not token ids (below `vocab_size`) to numbers in [-100, 100]; a ``suffix`` that is not
             a string; a ``generation_config`` that is not a JSON object string of
             :data:`GENERATION_CONFIG_KEYS` transformers' `GenerationConfig` takes; an ``n`` other
-            than 1 (one choice per request is served); a string anywhere in the body holding a lone
-            UTF-16 surrogate (it cannot be encoded as UTF-8, so not tokenized).
+            than 1 (one choice per request is served); a field nesting lists and objects deeper
+            than ``MAX_JSON_DEPTH`` levels (checked first: deeper values exhaust Python's
+            recursion); a string anywhere in the body holding a lone UTF-16 surrogate (it cannot be
+            encoded as UTF-8, so not tokenized).
     """
     from transformers import GenerationConfig
 
+    for name, value in body.items():
+        if name == "messages" and isinstance(value, list):
+            # each message as the processor counts it: a tool call's arguments from their own top
+            for i, message in enumerate(value):
+                part = deep_message_part(message)
+                if part is not None:
+                    raise ServeRequestError(_too_deep(f"messages[{i}]{'.' + part if part else ''}"))
+        elif json_depth(value) > MAX_JSON_DEPTH:
+            raise ServeRequestError(_too_deep(str(name)[:100]))
     _check_encodable(body, "body")
     n = body.get("n")
     if n is not None and (type(n) is not int or n != 1):
@@ -173,11 +195,13 @@ def check_request_fields(body: dict, limits: ServeLimits, count_field: str, voca
     bias = body.get("logit_bias")
     if bias is not None and not (
         isinstance(bias, dict)
-        and all(isinstance(k, str) and k.isascii() and k.isdigit() for k in bias)  # not "²", which int() refuses
+        # not "²", which int() refuses, nor more digits than any token id has
+        and all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= _MAX_ID_DIGITS for k in bias)
         and all(not isinstance(v, bool) and isinstance(v, (int, float)) and -100 <= v <= 100 for v in bias.values())
     ):
         raise ServeRequestError(
-            f"logit_bias must map token ids (strings of ASCII digits) to numbers in [-100, 100], got {bias!r:.100}"
+            f"logit_bias must map token ids (strings of at most {_MAX_ID_DIGITS} ASCII digits) to numbers in "
+            f"[-100, 100], got {bias!r:.100}"
         )
     if bias is not None:
         outside = [k for k in bias if vocab_size is not None and int(k) >= vocab_size]
@@ -228,6 +252,90 @@ def _check_encodable(value, where: str) -> None:
             _check_encodable(item, f"{where}[{i}]")
 
 
+def _too_deep(where: str) -> str:
+    return f"{where} nests lists and objects deeper than {MAX_JSON_DEPTH} levels (the most this server takes)"
+
+
+def check_tools(body: dict, responses: bool = False) -> None:
+    """Refuse ``tools`` that are not a list of OpenAI function tools.
+
+    Args:
+        body: the request's JSON body.
+        responses: a Responses request, whose tools may also be flat
+            (``{"type": "function", "name": ...}``).
+
+    Raises:
+        ServeRequestError: ``tools`` present and not a list of objects
+            ``{"type": "function", "function": {"name": <non-empty string>, ...}}`` (its
+            ``parameters``, if given, an object), naming the tool.
+    """
+    tools = body.get("tools")
+    if tools is None:
+        return
+    shape = '{"type": "function", "function": {"name": ..., "parameters": {...}}}'
+    if responses:
+        shape += ' or {"type": "function", "name": ..., "parameters": {...}}'
+    if not isinstance(tools, list):
+        raise ServeRequestError(f"tools must be a list of function tools ({shape}), got {tools!r:.100}")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if responses and isinstance(tool, dict) and "function" not in tool:
+            function = tool
+        if not (
+            isinstance(tool, dict)
+            and tool.get("type") == "function"
+            and isinstance(function, dict)
+            and isinstance(function.get("name"), str)
+            and function["name"]
+            and isinstance(function.get("parameters", {}), dict)
+        ):
+            raise ServeRequestError(f"tools[{i}] must be a function tool ({shape}), got {tool!r:.200}")
+
+
+def check_message_parts(messages: list, where: str = "messages") -> None:
+    """Refuse content parts transformers' handlers would drop or fail on, and tool-call
+    ``arguments`` strings nesting deeper than ``MAX_JSON_DEPTH`` levels.
+
+    Args:
+        messages: chat messages (or the messages a Responses ``input`` becomes).
+        where: the field named in the refusal.
+
+    Raises:
+        ServeRequestError: a part of a type that is neither text (:data:`TEXT_PART_TYPES`) nor
+            image (:data:`IMAGE_PART_TYPES`); a text part whose ``text`` is not a string; a tool
+            call's ``arguments`` JSON string nesting too deep.
+    """
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        for j, part in enumerate(content if isinstance(content, list) and not message.get("tool_calls") else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in TEXT_PART_TYPES:
+                if not isinstance(part.get("text"), str):
+                    raise ServeRequestError(f"{where}[{i}].content[{j}].text must be a string, got {part.get('text')!r:.100}")
+            elif kind not in IMAGE_PART_TYPES:
+                raise ServeRequestError(
+                    f"{where}[{i}].content[{j}] has type {kind!r:.50}: this server takes text parts "
+                    f"({', '.join(TEXT_PART_TYPES)}) and image parts ({', '.join(IMAGE_PART_TYPES)}) only"
+                )
+        calls = message.get("tool_calls")
+        for j, call in enumerate(calls if isinstance(calls, list) else []):
+            function = call.get("function") or call if isinstance(call, dict) else None
+            arguments = function.get("arguments") if isinstance(function, dict) else None
+            if not isinstance(arguments, str):
+                continue
+            field = f"{where}[{i}].tool_calls[{j}].function.arguments"
+            try:
+                value = json.loads(arguments)
+            except RecursionError:
+                raise ServeRequestError(_too_deep(field)) from None
+            except ValueError:
+                continue  # not JSON: transformers' handler refuses it as a malformed message
+            if json_depth(value) > MAX_JSON_DEPTH:
+                raise ServeRequestError(_too_deep(field))
+
+
 def check_model_name(body: dict) -> None:
     """Refuse a ``model`` that is not a string (checked first: the server looks the model up by it).
 
@@ -256,9 +364,9 @@ def check_messages(body: dict) -> None:
 
     Raises:
         ServeRequestError: ``messages`` missing or empty, a message that is not an object with a
-            string ``role``, content that is not a string, null or a list of typed parts, or no
-            user (or tool) message: a conversation of system messages only has no assistant
-            prompt to answer.
+            string ``role``, content that is not a string, null or a list of typed parts, parts
+            :func:`check_message_parts` refuses, or no user (or tool) message: a conversation of
+            system messages only has no assistant prompt to answer.
     """
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -274,6 +382,7 @@ def check_messages(body: dict) -> None:
             raise ServeRequestError(
                 f"messages[{i}].content must be a string, null or a list of parts with a type, got {content!r:.200}"
             )
+    check_message_parts(messages)
     check_user_turn(messages)
 
 

@@ -99,6 +99,82 @@ def _to_json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+# The deepest nesting of lists and objects taken in a message, a tool schema or a call's
+# arguments (each counted from its own top: `{"a": [1]}` is 2 deep). Deeper values would
+# exhaust Python's recursion in the JSON parser, the copies and the template's data conversion;
+# `deepseek-v41-vl serve` refuses request fields nesting deeper with the same limit.
+MAX_JSON_DEPTH = 64
+
+
+def json_depth(value: Any, limit: int = MAX_JSON_DEPTH) -> int:
+    """Nesting depth of mappings, lists and tuples in `value` (0 for a scalar), counted without
+    recursion; the count stops at ``limit + 1`` (so a cyclic value ends too)."""
+    deepest = 0
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        depth += 1
+        if depth > limit:
+            return depth
+        deepest = max(deepest, depth)
+        stack.extend((child, depth) for child in children)
+    return deepest
+
+
+def check_json_depth(value: Any, where: str) -> None:
+    """Refuse `value` nesting deeper than :data:`MAX_JSON_DEPTH`.
+
+    Raises:
+        DeepseekV41ProcessorError: naming `where`.
+    """
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise DeepseekV41ProcessorError(f"{where}: nested deeper than {MAX_JSON_DEPTH} levels of lists and objects")
+
+
+def deep_message_part(message: Any) -> str | None:
+    """Where `message` nests deeper than :data:`MAX_JSON_DEPTH`, or None: "" (the message, its
+    tool calls' arguments left out), ``"tool_calls[j]"`` (a call, its arguments left out) or
+    ``"tool_calls[j].function.arguments"`` / ``"tool_calls[j].arguments"`` (counted from their own
+    top, so a call's arguments may nest as deep as a tool schema)."""
+    if not isinstance(message, Mapping) or not isinstance(message.get("tool_calls"), (list, tuple)):
+        return None if json_depth(message) <= MAX_JSON_DEPTH else ""
+    if json_depth({key: value for key, value in message.items() if key != "tool_calls"}) > MAX_JSON_DEPTH:
+        return ""
+    for number, call in enumerate(message["tool_calls"]):
+        if not isinstance(call, Mapping):
+            if json_depth(call) > MAX_JSON_DEPTH - 2:  # inside the message and its list
+                return f"tool_calls[{number}]"
+            continue
+        function = call.get("function")
+        nested = isinstance(function, Mapping)
+        holder = function if nested else call
+        path = f"tool_calls[{number}].function.arguments" if nested else f"tool_calls[{number}].arguments"
+        if json_depth(holder.get("arguments")) > MAX_JSON_DEPTH:
+            return path
+        rest = {key: value for key, value in call.items() if key != ("function" if nested else "arguments")}
+        if nested:
+            rest["function"] = {key: value for key, value in function.items() if key != "arguments"}
+        if json_depth(rest) > MAX_JSON_DEPTH - 2:
+            return f"tool_calls[{number}]"
+    return None
+
+
+def _loads(text: str, where: str) -> Any:
+    """`json.loads`, refusing text nesting too deep for the parser (ValueError for invalid JSON)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise DeepseekV41ProcessorError(
+            f"{where}: nested deeper than {MAX_JSON_DEPTH} levels of lists and objects"
+        ) from None
+
+
 def reasoning_effort_budget(reasoning_effort: Any = None) -> int:
     """The 1..100 budget of a reasoning effort, as the template computes it.
 
@@ -472,9 +548,11 @@ def _arguments_mapping(arguments: Any, where: str) -> Any:
     Raises:
         DeepseekV41ProcessorError: anything else (invalid JSON, a JSON array / number / string /
             null, a list, a number, None): upstream would render it as one `arguments` parameter,
-            a call the tool's schema never describes.
+            a call the tool's schema never describes; arguments nesting deeper than
+            :data:`MAX_JSON_DEPTH`.
     """
     if isinstance(arguments, Mapping):
+        check_json_depth(arguments, f"{where}: arguments")
         return arguments
     if isinstance(arguments, str) and not arguments.strip():
         return {}  # OpenAI-compatible clients send "" for a call without arguments
@@ -485,11 +563,14 @@ def _arguments_mapping(arguments: Any, where: str) -> Any:
             if not isinstance(parsed, str):
                 break
             try:
-                parsed = json.loads(parsed)
+                parsed = _loads(parsed, f"{where}: arguments")
+            except DeepseekV41ProcessorError:
+                raise
             except ValueError as err:
                 error = err
                 break
         if isinstance(parsed, dict):
+            check_json_depth(parsed, f"{where}: arguments")
             return parsed
         found = f"invalid JSON ({error})" if error is not None and parsed is arguments else f"JSON {type(parsed).__name__}"
         raise DeepseekV41ProcessorError(
@@ -513,7 +594,8 @@ def normalize_tool_call_arguments(messages: list[Any]) -> list[Any]:
         DeepseekV41ProcessorError: `arguments` that are not a JSON object: invalid JSON
             (`'{not json'`), a JSON array / number / string / null, or a list, number or None.
             Upstream wraps them as `{"arguments": ...}`, which renders a call with a parameter the
-            tool does not have; the message names the message and call.
+            tool does not have; arguments nesting deeper than :data:`MAX_JSON_DEPTH`. The message
+            names the message and call.
     """
     out = []
     for index, message in enumerate(messages):
@@ -546,13 +628,17 @@ __all__ = [
     "EOS_TOKEN",
     "IMAGE_PLACEHOLDER",
     "LATEST_REMINDER_TOKEN",
+    "MAX_JSON_DEPTH",
     "REASONING_EFFORT_ALIASES",
     "REASONING_EFFORT_TEMPLATE",
     "RESPONSE_TEMPLATE",
     "SYSTEM_TOKEN",
     "TASK_TOKENS",
+    "check_json_depth",
     "collect_images",
+    "deep_message_part",
     "image_block_source",
+    "json_depth",
     "mark_image_blocks",
     "THINK_END",
     "THINK_START",

@@ -43,7 +43,8 @@ __all__ = [
 class DeepseekV41ProcessorError(DeepseekV41ProcessingError):
     """Bad text or chat input to the processor: placeholder/image count mismatch, an image
     placeholder inside chat text, text that is not valid Unicode, tool-call arguments that are not
-    a JSON object, an invalid chat-template option, a malformed completion."""
+    a JSON object, a message, tool or arguments nesting deeper than `MAX_JSON_DEPTH`, an invalid
+    chat-template option, a malformed completion."""
 
 
 __all__.append("DeepseekV41ProcessorError")

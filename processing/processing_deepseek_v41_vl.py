@@ -50,7 +50,10 @@ from .control_tokens_deepseek_v41_vl import (
 )
 from .encoding_deepseek_v41_vl import (
     IMAGE_PLACEHOLDER,
+    MAX_JSON_DEPTH,
+    check_json_depth,
     collect_images,
+    deep_message_part,
     image_block_source,
     mark_image_blocks,
     merge_tool_messages,
@@ -287,7 +290,8 @@ def _tool_schemas(tools: Any) -> list[dict[str, Any]]:
 
     Raises:
         DeepseekV41ProcessorError: `tools` is not a list, an entry is neither a dict nor a function,
-            or a function cannot be converted (the message says why).
+            a dict nests deeper than `MAX_JSON_DEPTH`, or a function cannot be converted (the
+            message says why).
     """
     if not isinstance(tools, (list, tuple)):
         raise DeepseekV41ProcessorError(
@@ -296,6 +300,7 @@ def _tool_schemas(tools: Any) -> list[dict[str, Any]]:
     schemas = []
     for index, tool in enumerate(tools):
         if isinstance(tool, dict):
+            check_json_depth(tool, f"tool {index}")
             schemas.append(tool)
         elif inspect.isfunction(tool) or inspect.ismethod(tool):
             try:
@@ -319,7 +324,8 @@ def _normalized_conversations(conversation: Any) -> tuple[list[list[dict[str, An
 
     Raises:
         DeepseekV41ProcessorError: not a list of messages (or of such lists), an empty
-            conversation, or a message that is not a dict / dataclass / pydantic model.
+            conversation, a message that is not a dict / dataclass / pydantic model, or a message
+            (or its tool-call arguments) nesting deeper than `MAX_JSON_DEPTH`.
     """
     if not isinstance(conversation, (list, tuple)) and not hasattr(conversation, "messages"):
         raise DeepseekV41ProcessorError(
@@ -336,6 +342,13 @@ def _normalized_conversations(conversation: Any) -> tuple[list[list[dict[str, An
             raise DeepseekV41ProcessorError(f"{where}messages must be a list, got {type(messages).__name__}")
         if not messages:
             raise DeepseekV41ProcessorError(f"{where}the conversation is empty")
+        for number, message in enumerate(messages):  # before any copy or parse recurses into it
+            part = deep_message_part(message)
+            if part is not None:
+                raise DeepseekV41ProcessorError(
+                    f"{where}message {number}{' ' + part if part else ''}: nested deeper than {MAX_JSON_DEPTH} "
+                    "levels of lists and objects"
+                )
         try:
             normalized = _normalize_chat_messages(chat)
         except TypeError as err:  # transformers: "Chat messages should be dicts, ... but got ..."
@@ -752,7 +765,8 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
                 block; `documents` (the template does not render them); or the images do
                 not match the placeholders; `split_special_tokens` not a bool, given with
                 different values in several places (see below), or True without `tokenize=True`;
-                message text that is not valid Unicode (a lone surrogate).
+                message text that is not valid Unicode (a lone surrogate); a message, a tool schema
+                or tool-call arguments nesting deeper than `MAX_JSON_DEPTH` (64) levels.
 
         `split_special_tokens` is read from every place transformers accepts it (the keyword,
         `processor_kwargs`, their `text_kwargs` / `common_kwargs`) and never reaches `__call__`,

@@ -594,6 +594,35 @@ def test_tool_call_arguments_json_object_forms_render_alike(processor):
     assert processor.apply_chat_template(_tool_call_conversation(json.dumps('{"a": 1}'))) == mapping  # double-encoded
 
 
+def _nested(depth: int):
+    value = 1
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+def test_values_nesting_past_the_depth_limit_are_the_processor_error(processor):
+    # regression: RecursionError from json.loads, copy.deepcopy or the template's data conversion
+    from deepseek_v41_vl.processing.encoding_deepseek_v41_vl import MAX_JSON_DEPTH
+
+    deep_text = '{"a":' * 3000 + "1" + "}" * 3000
+    for arguments, where in ((deep_text, r"message 1 tool call 0 \('f'\): arguments"),
+                             (json.dumps(_nested(MAX_JSON_DEPTH + 1)), r"message 1 tool call 0 \('f'\): arguments"),
+                             (_nested(900), r"message 1 tool_calls\[0\].function.arguments")):
+        with pytest.raises(DeepseekV41ProcessorError, match=f"^{where}: nested deeper than {MAX_JSON_DEPTH} levels"):
+            processor.apply_chat_template(_tool_call_conversation(arguments))
+    messages = [{"role": "user", "content": "q"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": _nested(400)}}
+    with pytest.raises(DeepseekV41ProcessorError, match=f"^tool 0: nested deeper than {MAX_JSON_DEPTH} levels"):
+        processor.apply_chat_template(messages, tools=[tool])
+    deep_content = [{"role": "user", "content": [{"type": "text", "text": "q", "extra": _nested(MAX_JSON_DEPTH)}]}]
+    with pytest.raises(DeepseekV41ProcessorError, match=f"^message 0: nested deeper than {MAX_JSON_DEPTH} levels"):
+        processor.apply_chat_template(deep_content)
+    # arguments at the limit (from their own top, as a string or a mapping) render
+    at_limit = processor.apply_chat_template(_tool_call_conversation(json.dumps(_nested(MAX_JSON_DEPTH))))
+    assert '"a"' in at_limit and processor.apply_chat_template(_tool_call_conversation(_nested(MAX_JSON_DEPTH))) == at_limit
+
+
 @pytest.mark.parametrize("arguments", ["", "  ", "\n"])
 def test_tool_call_arguments_empty_string_is_a_call_without_arguments(arguments, processor):
     # regression: "" (what OpenAI-compatible clients send for a call without arguments) was refused

@@ -13,6 +13,7 @@ import hashlib
 import http.client
 import json
 import os
+import re
 import shutil
 import socket
 import struct
@@ -434,6 +435,17 @@ def _bad_requests(golden, photos) -> dict[str, tuple[dict, str]]:
         "two choices": ({"n": 2}, "n must be 1"),
         "no choices": ({"n": 0}, "n must be 1"),
         "logit_bias outside the vocabulary": ({"logit_bias": {str(10**9): 5}}, "outside the vocabulary"),
+        "logit_bias of 5000 digits": ({"logit_bias": {"1" * 5000: 5}}, "logit_bias must map token ids"),
+        "tools of a string": ({"extra_body": {"tools": "x"}}, "tools must be a list of function tools"),
+        "tools of an object": ({"extra_body": {"tools": {"a": 1}}}, "tools must be a list of function tools"),
+        "tools of a number": ({"extra_body": {"tools": [5]}}, r"tools\[0\] must be a function tool"),
+        "tools of a word": ({"extra_body": {"tools": ["x"]}}, r"tools\[0\] must be a function tool"),
+        "tool without a name": ({"extra_body": {"tools": [{"type": "function", "function": {}}]}},
+                                r"tools\[0\] must be a function tool"),
+        "text part of a number": ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+                                  r"messages\[0\].content\[0\].text must be a string"),
+        "audio part": ({"messages": [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "Hi"}]}]},
+                       r"messages\[0\].content\[0\] has type 'audio'"),
         "system message only": ({"messages": [{"role": "system", "content": "You are terse."}]}, "no user message"),
         "prompt over --max-prompt-tokens": ({"messages": [{"role": "user", "content": "word " * MAX_PROMPT_TOKENS}]},
                                             f"this server takes at most {MAX_PROMPT_TOKENS} \\(--max-prompt-tokens\\)"),
@@ -461,6 +473,62 @@ def test_bad_requests_get_a_400_naming_the_problem_and_the_server_goes_on(server
             client.chat.completions.create(**{**good, **fields})
         reply = client.chat.completions.create(**good)
         assert reply.usage.completion_tokens == 2, case
+
+
+def _nested_json(depth: int) -> str:
+    """JSON text of objects nested `depth` deep (built as text: json.dumps would recurse as deep)."""
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+def test_values_nesting_too_deep_get_a_400_and_the_connection_goes_on(server):
+    from deepseek_v41_vl.processing.encoding_deepseek_v41_vl import MAX_JSON_DEPTH
+
+    _, name, _, port = server
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)  # one keep-alive connection
+    user = {"role": "user", "content": "What is the weather?"}
+
+    def call(arguments: str) -> str:  # a tool call whose arguments are `arguments` (JSON text)
+        assistant = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c0", "type": "function", "function": {"name": "get_weather", "arguments": "ARGS"}}]}
+        return json.dumps({"model": name, "max_tokens": 2, "messages": [user, assistant, {
+            "role": "tool", "tool_call_id": "c0", "content": "Sunny"}]}).replace('"ARGS"', arguments)
+
+    deep_tool = json.dumps({"type": "function", "function": {"name": "f", "parameters": "P"}}).replace(
+        '"P"', _nested_json(400))
+    chat = "/v1/chat/completions"
+    cases = [  # (path, JSON body, what the 400 says)
+        (chat, call(json.dumps(_nested_json(3000))), r"messages\[1\].tool_calls\[0\].function.arguments nests"),
+        (chat, call(_nested_json(900)), r"messages\[1\].tool_calls\[0\].function.arguments nests"),
+        (chat, json.dumps({"model": name, "max_tokens": 2, "messages": [user], "tools": ["T"]}).replace('"T"', deep_tool),
+         "tools nests"),
+        ("/v1/responses", json.dumps({"model": name, "max_output_tokens": 2, "input": "Hi", "tools": "x"}),
+         "tools must be a list of function tools"),
+        ("/v1/responses", json.dumps({"model": name, "max_output_tokens": 2, "input": "Hi", "tools": [5]}),
+         r"tools\[0\] must be a function tool"),
+    ]
+    good = {chat: {"model": name, "messages": [user], "max_tokens": 2},
+            "/v1/responses": {"model": name, "input": "Hi", "max_output_tokens": 2, "stream": False}}
+
+    def post(path: str, body: str) -> tuple[int, dict]:
+        connection.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+
+    try:
+        for path, body, says in cases:
+            status, refused = post(path, body)
+            assert status == 400 and re.search(says, refused["error"]["message"]), (path, says, refused)
+            if "nests" in says:
+                assert f"deeper than {MAX_JSON_DEPTH} levels" in refused["error"]["message"]
+            status, reply = post(path, json.dumps(good[path]))
+            assert status == 200, (path, says, reply)
+        # a flat Responses tool and tool-call arguments at the limit (a string or an object) are served
+        flat = [{"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}]
+        assert post("/v1/responses", json.dumps({**good["/v1/responses"], "tools": flat}))[0] == 200
+        assert post(chat, call(json.dumps(_nested_json(MAX_JSON_DEPTH))))[0] == 200
+        assert post(chat, call(_nested_json(MAX_JSON_DEPTH)))[0] == 200
+    finally:
+        connection.close()
 
 
 def test_a_lone_surrogate_gets_a_400_and_the_connection_goes_on(server):
