@@ -288,13 +288,18 @@ def fetch_image_urls(sources: list[str], timeout: float, max_image_bytes: int) -
 
 
 def _image_processor(model_dir: Path):
-    """The folder's image processor (its preprocessor_config.json; the defaults without one), read
-    without loading the model."""
-    from deepseek_v41_vl.processing.image_processing_deepseek_v41_vl import DeepseekV41ImageProcessor
+    """The folder's image processor, as the pipeline will load it (`AutoProcessor`), read without
+    loading the model.
 
-    if (model_dir / "preprocessor_config.json").is_file():
-        return DeepseekV41ImageProcessor.from_pretrained(str(model_dir))
-    return DeepseekV41ImageProcessor()
+    Raises:
+        ValueError: the folder's processor files cannot be read (transformers' OSError).
+    """
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(str(model_dir)).image_processor
+    except OSError as err:
+        raise ValueError(f"cannot read the processor of {model_dir}: {err}") from None
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -45,6 +45,7 @@ from .serve_images import fetch_image_urls
 from .serve_policy import (
     ServeLimits,
     ServeRequestError,
+    blank_arguments_as_empty_object,
     check_message_parts,
     check_messages,
     check_model_name,
@@ -263,6 +264,8 @@ def _apply_request_policy(handler, limits: ServeLimits, chat: bool) -> None:
                 # the Responses schema takes no chat_template_kwargs to carry it (transformers ignores it)
                 raise ServeRequestError("reasoning.effort is not mapped on /v1/responses: use /v1/chat/completions "
                                         "with reasoning_effort")
+        # transformers parses a call's arguments before the processor, which reads "" as no arguments
+        body = blank_arguments_as_empty_object(body)
         body = await fetch_image_urls(body, limits)  # the processor then reads data URLs only
         return await handle_request(body, request_id)
 
@@ -274,14 +277,15 @@ async def _served_model(handler, body: dict):
     loaded first on its first request: the checks that need it run for every request.
 
     Raises:
-        ServeRequestError: ``model`` not a string.
+        ServeRequestError: ``model`` not a string, or missing on a server started without a model.
         ServeHooksError: the model's processor does not carry the server's limits.
     """
     import asyncio
 
     from .serve_hooks import request_processor
 
-    check_model_name(body)
+    # a server started without a model has none to give a request naming none
+    check_model_name(body, pinned=getattr(handler.model_manager, "force_model", None) is not None)
     processor = await asyncio.to_thread(request_processor, handler, body)
     return served_model(processor, body.get("model"))
 

@@ -26,6 +26,7 @@ import ipaddress
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
@@ -211,7 +212,13 @@ class _Fetch:
             opener.add_handler(handler)
         data = bytearray()
         try:
-            with opener.open(self.url, timeout=self.left()) as response:
+            try:
+                response = opener.open(self.url, timeout=self.left())
+            except urllib.error.URLError as err:  # urllib wraps a deadline hit while connecting
+                if isinstance(err.reason, TimeoutError):
+                    raise TimeoutError(f"the deadline passed while connecting ({err.reason})") from None
+                raise
+            with response:
                 while True:
                     with self._lock:
                         for sock in self._sockets:  # each read: at most the time left

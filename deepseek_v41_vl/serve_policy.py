@@ -153,7 +153,8 @@ def check_request_fields(body: dict, limits: ServeLimits, count_field: str, voca
             a string; a ``generation_config`` that is not a JSON object string of
             :data:`GENERATION_CONFIG_KEYS` transformers' `GenerationConfig` takes; an ``n`` other
             than 1 (one choice per request is served); a field nesting lists and objects deeper
-            than ``MAX_JSON_DEPTH`` levels (checked first: deeper values exhaust Python's
+            than ``MAX_JSON_DEPTH`` levels (each message and each tool counted from its own top,
+            as the processor counts them; checked first: deeper values exhaust Python's
             recursion); a string anywhere in the body holding a lone UTF-16 surrogate (it cannot be
             encoded as UTF-8, so not tokenized).
     """
@@ -166,6 +167,11 @@ def check_request_fields(body: dict, limits: ServeLimits, count_field: str, voca
                 part = deep_message_part(message)
                 if part is not None:
                     raise ServeRequestError(_too_deep(f"messages[{i}]{'.' + part if part else ''}"))
+        elif name == "tools" and isinstance(value, list):
+            # each tool from its own top, as the processor counts it
+            for i, tool in enumerate(value):
+                if json_depth(tool) > MAX_JSON_DEPTH:
+                    raise ServeRequestError(_too_deep(f"tools[{i}]"))
         elif json_depth(value) > MAX_JSON_DEPTH:
             raise ServeRequestError(_too_deep(str(name)[:100]))
     _check_encodable(body, "body")
@@ -336,16 +342,68 @@ def check_message_parts(messages: list, where: str = "messages") -> None:
                 raise ServeRequestError(_too_deep(field))
 
 
-def check_model_name(body: dict) -> None:
+def check_model_name(body: dict, pinned: bool = True) -> None:
     """Refuse a ``model`` that is not a string (checked first: the server looks the model up by it).
 
+    Args:
+        body: the request's JSON body.
+        pinned: the server was started with a model, the one a request naming none gets.
+
     Raises:
-        ServeRequestError: ``model`` present and not a string, or holding a lone UTF-16 surrogate.
+        ServeRequestError: ``model`` present and not a string, or holding a lone UTF-16 surrogate;
+            ``model`` missing (or null) on a server that was not `pinned` to a model.
     """
     name = body.get("model")
+    if name is None and not pinned:
+        raise ServeRequestError(
+            "model is required: this server was started without a model, so each request names the model to serve"
+        )
     if name is not None and not isinstance(name, str):
         raise ServeRequestError(f"model must be a string naming the model, got {type(name).__name__} {name!r:.100}")
     _check_encodable(name, "model")
+
+
+def blank_arguments_as_empty_object(body: dict) -> dict:
+    """`body` with each tool call's blank ``arguments`` string (empty or whitespace only, what
+    OpenAI-compatible clients send for a call without arguments) written as ``"{}"``, as the
+    processor reads it: transformers' handlers parse the string as JSON before the processor sees
+    it. Chat ``messages``' ``tool_calls`` and Responses ``function_call`` input items.
+
+    Returns:
+        `body` itself when no call has blank arguments, else a copy (`body` is not changed).
+    """
+
+    def blank(arguments) -> bool:
+        return isinstance(arguments, str) and not arguments.strip()
+
+    def call_fixed(call):
+        if not isinstance(call, dict):
+            return call
+        function = call.get("function")
+        if isinstance(function, dict):
+            return {**call, "function": {**function, "arguments": "{}"}} if blank(function.get("arguments")) else call
+        return {**call, "arguments": "{}"} if not function and blank(call.get("arguments")) else call
+
+    def message_fixed(message):
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if not isinstance(calls, list):
+            return message
+        fixed = [call_fixed(call) for call in calls]
+        return message if all(a is b for a, b in zip(fixed, calls)) else {**message, "tool_calls": fixed}
+
+    def item_fixed(item):
+        if isinstance(item, dict) and item.get("type") == "function_call" and blank(item.get("arguments")):
+            return {**item, "arguments": "{}"}
+        return message_fixed(item)
+
+    changed = {}
+    for field, fix in (("messages", message_fixed), ("input", item_fixed)):
+        value = body.get(field)
+        if isinstance(value, list):
+            fixed = [fix(entry) for entry in value]
+            if any(a is not b for a, b in zip(fixed, value)):
+                changed[field] = fixed
+    return {**body, **changed} if changed else body
 
 
 def check_responses_input(body: dict) -> None:

@@ -233,3 +233,16 @@ def test_run_refuses_bad_images_before_the_model_loads(cache_home, no_model_load
     assert err.count("\n") == 1 and "max_image_bytes=1000" in err
     assert main(["run", "--model", model_dir, "--image-fetch-timeout", "0"]) == 2
     assert "--image-fetch-timeout must be a positive number" in capsys.readouterr().err
+
+
+def test_a_deadline_hit_while_connecting_is_reported_as_the_fetch_timeout(monkeypatch):
+    # urllib wraps an error raised while connecting (here the deadline) into a URLError
+    from deepseek_v41_vl import serve_images
+    from deepseek_v41_vl.cli import fetch_image_urls
+
+    def late(self, address, timeout, source_address=None):
+        raise TimeoutError("the deadline passed")
+
+    monkeypatch.setattr(serve_images._Fetch, "connect", late)
+    with pytest.raises(ValueError, match=r"was not fetched within 5 s \(--image-fetch-timeout\)"):
+        fetch_image_urls(["http://127.0.0.1:9/x.png"], 5, 1024)

@@ -382,6 +382,33 @@ def test_a_tools_request_gets_the_tool_call_back(server, local):
     assert (follow.usage.prompt_tokens, follow.choices[0].message.content) == (length, parsed.get("content", ""))
 
 
+def test_a_tool_call_with_empty_arguments_is_served_as_one_without_arguments(server):
+    # what OpenAI-compatible clients send for a call without arguments: the prompt of "{}"
+    _, name, log, port = server
+
+    def chat(arguments: str) -> list[int]:
+        messages = [{"role": "user", "content": "What is the weather?"},
+                    {"role": "assistant", "content": None, "tool_calls": [{"id": "c0", "type": "function", "function": {
+                        "name": "get_weather", "arguments": arguments}}]},
+                    {"role": "tool", "tool_call_id": "c0", "content": "Sunny, 21 C"}]
+        status, reply = _post(port, "/v1/chat/completions",
+                              {"model": name, "messages": messages, "tools": TOOLS, "max_tokens": 2})
+        assert status == 200, (arguments, reply)
+        return _last_prompt(log)["input_ids"]
+
+    def responses(arguments: str) -> list[int]:
+        items = [{"role": "user", "content": "What is the weather?"},
+                 {"type": "function_call", "call_id": "c0", "name": "get_weather", "arguments": arguments},
+                 {"type": "function_call_output", "call_id": "c0", "output": "Sunny, 21 C"}]
+        status, reply = _post(port, "/v1/responses",
+                              {"model": name, "input": items, "max_output_tokens": 2, "stream": False})
+        assert status == 200, (arguments, reply)
+        return _last_prompt(log)["input_ids"]
+
+    assert chat("") == chat(" \n") == chat("{}")
+    assert responses("") == responses("{}")
+
+
 def test_the_models_endpoint_lists_the_folder(server):
     client, name, *_ = server
     assert name in [m.id for m in client.models.list().data]
@@ -500,7 +527,11 @@ def test_values_nesting_too_deep_get_a_400_and_the_connection_goes_on(server):
         (chat, call(json.dumps(_nested_json(3000))), r"messages\[1\].tool_calls\[0\].function.arguments nests"),
         (chat, call(_nested_json(900)), r"messages\[1\].tool_calls\[0\].function.arguments nests"),
         (chat, json.dumps({"model": name, "max_tokens": 2, "messages": [user], "tools": ["T"]}).replace('"T"', deep_tool),
-         "tools nests"),
+         r"tools\[0\] nests"),
+        # a tool counted from its own top, as the processor counts it: one level past the limit
+        (chat, json.dumps({"model": name, "max_tokens": 2, "messages": [user], "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": "P"}}]}).replace(
+            '"P"', _nested_json(MAX_JSON_DEPTH - 1)), r"tools\[0\] nests"),
         ("/v1/responses", json.dumps({"model": name, "max_output_tokens": 2, "input": "Hi", "tools": "x"}),
          "tools must be a list of function tools"),
         ("/v1/responses", json.dumps({"model": name, "max_output_tokens": 2, "input": "Hi", "tools": [5]}),
@@ -527,6 +558,9 @@ def test_values_nesting_too_deep_get_a_400_and_the_connection_goes_on(server):
         assert post("/v1/responses", json.dumps({**good["/v1/responses"], "tools": flat}))[0] == 200
         assert post(chat, call(json.dumps(_nested_json(MAX_JSON_DEPTH))))[0] == 200
         assert post(chat, call(_nested_json(MAX_JSON_DEPTH)))[0] == 200
+        at_limit = json.dumps({**good[chat], "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": "P"}}]}).replace('"P"', _nested_json(MAX_JSON_DEPTH - 2))  # the tool: 64 deep
+        assert post(chat, at_limit)[0] == 200
     finally:
         connection.close()
 
@@ -673,6 +707,12 @@ def test_a_model_that_is_not_a_string_gets_a_400_on_every_endpoint(server):
 def test_the_first_request_to_a_server_without_a_model_is_checked(folder, tmp_path):
     # no model on the command line: the request loads it, and is checked against it all the same
     with _serving(folder, tmp_path, "--max-tokens", str(MAX_TOKENS), pinned=False) as (client, name, _, port):
+        # nor a model to give a request naming none
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+                           ("/v1/responses", {"input": "Hi", "max_output_tokens": 2, "stream": False}),
+                           ("/v1/completions", {"prompt": "Once upon", "max_tokens": 2})):
+            status, refused = _post(port, path, body)
+            assert status == 400 and refused["error"]["message"].startswith("model is required"), (path, refused)
         with pytest.raises(openai.BadRequestError, match="image placeholder"):
             client.completions.create(model=name, prompt=f"Describe {IMAGE_PLACEHOLDER} please.", max_tokens=2)
         assert client.completions.create(model=name, prompt="Once upon", max_tokens=2).usage.completion_tokens == 2
