@@ -57,7 +57,7 @@ from pathlib import Path
 
 from ..modeling.configuration_deepseek_v41_vl import DeepseekV41Config
 from .bundle import bundle_remote_code
-from .staging import make_parents, partial_folder, publish, remove_created, remove_stale_partials, stopping_signals
+from .staging import publish, staged_folder, stopping_signals
 from ..modeling.checkpoint_names_deepseek_v41_vl import (
     TOKEN_MAP_NAME,
     DeepseekV41ConversionError,
@@ -501,25 +501,12 @@ def convert_checkpoint(
         _check_space(dst.parent, sum(tensor_nbytes(s, d) for s, d in expected.values()))
 
     with stopping_signals():  # SIGTERM / SIGHUP clean up as Ctrl-C does
-        created, tmp = [], None
-        try:
-            created = make_parents(dst.parent)
-            summary.removed_partials = remove_stale_partials(dst)
-            candidate = partial_folder(dst)
-            candidate.mkdir()
-            tmp = candidate  # ours from here on: removed on any failure
+        with staged_folder(dst, "converting into") as (tmp, summary.removed_partials):
             if link:  # nothing streams through the converter: read the source once for NaN / Inf
                 _check_linked_values(source, plans, max_slice_bytes, progress)
             _build(tmp, source, config, plans, expected, token_map, vl, summary, link=link, verify=verify,
                    max_slice_bytes=max_slice_bytes, max_shard_bytes=max_shard_bytes, progress=progress)
             publish(tmp, dst, replace=force)
-        except BaseException as exc:
-            if tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)
-            remove_created(created)
-            if isinstance(exc, OSError):
-                raise DeepseekV41ConversionError(f"converting into {dst} failed: {exc}") from None
-            raise
     summary.seconds = time.perf_counter() - start
     return summary
 

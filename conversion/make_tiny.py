@@ -31,14 +31,13 @@ import hashlib
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
 
 from ..modeling.quantization_deepseek_v41_vl import act_quant, cast_to_e4m3, quant_fp4, round_scale_pow2
 from ..modeling.checkpoint_names_deepseek_v41_vl import BLOCK, DeepseekV41ConversionError, official_inventory
-from .staging import make_parents, partial_folder, publish, remove_created, remove_stale_partials
+from .staging import publish, staged_folder
 from .safetensors_io import SafetensorsWriter
 
 VARIANTS = ("fp8", "bf16")
@@ -328,13 +327,7 @@ def write_official_checkpoint(
         tokenizer_json, default_config = tokenizer_files()
         tokenizer_config = tokenizer_config or default_config
     tensors = checkpoint_tensors(args, seed)
-    created, tmp = [], None
-    try:
-        created = make_parents(dst.parent)
-        remove_stale_partials(dst)
-        candidate = partial_folder(dst)
-        candidate.mkdir()
-        tmp = candidate  # ours from here on: removed on any failure
+    with staged_folder(dst, "writing") as (tmp, _):
         write_shards(tmp, tensors, max_shard_bytes)
         (tmp / "inference").mkdir()
         (tmp / "inference" / "config.json").write_text(json.dumps(args, indent=1) + "\n", encoding="utf-8")
@@ -344,13 +337,6 @@ def write_official_checkpoint(
         if tokenizer_config is not None:
             (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         publish(tmp, dst, replace=force)
-    except BaseException as exc:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        remove_created(created)
-        if isinstance(exc, OSError):
-            raise DeepseekV41ConversionError(f"writing {dst} failed: {exc}") from None
-        raise
     return dst
 
 

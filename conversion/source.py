@@ -18,7 +18,6 @@ config and raises :class:`DeepseekV41ConversionError` naming the first class of 
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 

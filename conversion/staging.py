@@ -270,3 +270,35 @@ __all__ = [
     "rename_noreplace",
     "stopping_signals",
 ]
+
+
+@contextlib.contextmanager
+def staged_folder(dst: Path, what: str):
+    """The one staging sequence of the converter and ``make-tiny``: make DST's missing parents,
+    remove partial folders of dead runs, create a fresh partial folder beside DST and yield
+    ``(tmp, removed_partials)``; the caller fills `tmp` and `publish`es it. On any failure inside,
+    `tmp` and the parents this call made are removed (never anything else).
+
+    Args:
+        what: the failing step for the message, e.g. ``"converting into"``.
+
+    Raises:
+        DeepseekV41ConversionError: an OSError inside (``"{what} {dst} failed: ..."``), or another
+            run of the same DST in progress (:func:`remove_stale_partials`).
+    """
+    created, tmp = [], None
+    try:
+        created = make_parents(dst.parent)
+        removed = remove_stale_partials(dst)
+        candidate = partial_folder(dst)
+        candidate.mkdir()
+        tmp = candidate  # ours from here on: removed on any failure
+        yield tmp, removed
+    except BaseException as exc:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        remove_created(created)
+        if isinstance(exc, OSError):
+            raise DeepseekV41ConversionError(f"{what} {dst} failed: {exc}") from None
+        raise
+
