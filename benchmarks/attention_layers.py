@@ -13,7 +13,9 @@ real::
 
 and measures, per layer: prefill time at each length (default 4K / 16K / 64K tokens), the peak
 memory of that call (``torch.cuda.max_memory_allocated`` minus what was allocated before it), and
-decode ms/token after a 4K prefill. Side by side, in the same run, transformers' own
+decode ms/token after a 4K prefill (eager: the layer's plain forward of one token on the prefill's
+cache; the model's decode replays one CUDA graph of the whole step, which no single layer has:
+`benchmarks/generate.py` measures it). Side by side, in the same run, transformers' own
 `DeepseekV4Attention` at matched widths (bf16 weights, `attn_implementation` eager by default:
 the only one of its implementations with the sink). Matching is as near as V4 allows:
 
@@ -245,7 +247,8 @@ def bench_our_prefill(layers, dims, seqlen, device, reps, gen) -> tuple[list, li
 
 @torch.inference_mode()
 def bench_our_decode(layers, dims, prefill, steps, device, gen) -> tuple[list, list]:
-    """Per layer: median decode ms/token after a `prefill`-token prefill, and the peak extra bytes."""
+    """Per layer: median ms of its eager one-token forward on the prefill's cache after a
+    `prefill`-token prefill (two warm-up steps), and the peak extra bytes."""
     x = torch.randn(1, prefill + steps, dims["hidden_size"], generator=gen, device=device).to(torch.bfloat16)
     state = DeepseekV41AttentionState()
     try:
@@ -506,6 +509,8 @@ def main(argv=None) -> int:
         "- times: median ms of the layer call ("
         + ("CUDA events on the stream" if device.type == "cuda" else "wall clock")
         + "); memory: peak GiB allocated during the call above what was allocated before it (CUDA only)",
+        "- decode: ours eager, the layer's forward of one token on the prefill's cache (the model's decode replays "
+        "one CUDA graph of the whole step, measured by `benchmarks/generate.py`, not per layer)",
         "",
     ]
     header = ["layer"] + [f"{who} {fmt_len(n)}" for n in lengths for who in ("ours", "V4")]

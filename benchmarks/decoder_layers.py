@@ -21,9 +21,10 @@ expert count (bf16 weights; built one at a time and freed: 384 bf16 experts are 
 
 Measured: prefill time and peak activation memory (``torch.cuda.max_memory_allocated`` during
 the call minus what was allocated before it) at each of `--lengths`, and decode ms/token after a
-`--decode-prefill` prefill: ours with the layer's CUDA-graph decode (``decode_cuda_graphs``, the
-default) and eagerly, V4 through its own per-layer cache (`DynamicCache` of V4's CSA/sliding
-layers). Every measurement is guarded: a failure is a cell ("OOM", with the memory the call had
+`--decode-prefill` prefill: ours eagerly, one token through the layer's plain forward on the
+shared cache (the model's decode replays one CUDA graph of the whole step, which no single layer
+has: `benchmarks/generate.py` measures it), V4 through its own per-layer cache (`DynamicCache` of
+V4's CSA/sliding layers). Every measurement is guarded: a failure is a cell ("OOM", with the memory the call had
 at its disposal as a lower bound of what it needed, or "err: <type>" with the traceback on
 stderr). `--budget-s` stops gracefully: what is not measured by then shows "skipped (budget)".
 
@@ -243,13 +244,9 @@ def bench_our_prefill(layers, text, seqlen, device, reps, gen, deadline) -> tupl
 
 
 @torch.no_grad()
-def bench_our_decode(layers, text, prefill, steps, device, gen, graphs: bool) -> list:
-    """Per layer: median ms of one-token decode steps after a `prefill`-token prefill (two
-    warm-up steps, which also capture the CUDA graphs), with ``decode_cuda_graphs = graphs``."""
-    if graphs and device.type != "cuda":
-        return ["n/a (CUDA only)"] * len(layers)
-    for layer in layers:
-        layer.decode_cuda_graphs = graphs
+def bench_our_decode(layers, text, prefill, steps, device, gen) -> list:
+    """Per layer: median ms of its eager one-token decode step (``layer.block`` with S = 1 on the
+    prefill's cache) after a `prefill`-token prefill and two warm-up steps."""
     x, pre = our_inputs(text, prefill + steps + 2, device, gen)
     times: list[list[float]] = [[] for _ in layers]
     cell = None
@@ -268,10 +265,7 @@ def bench_our_decode(layers, text, prefill, steps, device, gen, graphs: bool) ->
                 for i, timer in enumerate(timers):
                     times[i].append(timer.ms())
     except Exception as exc:  # noqa: BLE001
-        cell = failure_cell(exc, f"ours decode (graphs={graphs})", None)
-    finally:
-        for layer in layers:
-            layer.decode_cuda_graphs = True
+        cell = failure_cell(exc, "ours decode (eager)", None)
     release(device)
     if cell is not None:
         return [cell] * len(layers)
@@ -480,7 +474,7 @@ class Results:
         rows = len(LAYERS)
         self.lengths = lengths
         self.ms, self.mem, self.v4_ms, self.v4_mem = ({n: [SKIPPED] * rows for n in lengths} for _ in range(4))
-        self.dec_graphs, self.dec_eager, self.v4_dec = ([SKIPPED] * rows for _ in range(3))
+        self.dec, self.v4_dec = ([SKIPPED] * rows for _ in range(2))
         self.weights, self.v4_weights = ["-"] * rows, ["-"] * rows
 
 
@@ -493,11 +487,9 @@ def measure_ours(res: Results, text, device, gen, args, deadline) -> None:
         if deadline.left() > 0:
             deadline.log(f"ours: prefill {n}")
             res.ms[n], res.mem[n] = bench_our_prefill(layers, text, n, device, args.reps, gen, deadline)
-    for graphs in (True, False):
-        if deadline.left() > 0 and not args.skip_decode:
-            deadline.log(f"ours: decode ({'graphs' if graphs else 'eager'})")
-            cells = bench_our_decode(layers, text, args.decode_prefill, args.decode_steps, device, gen, graphs)
-            setattr(res, "dec_graphs" if graphs else "dec_eager", cells)
+    if deadline.left() > 0 and not args.skip_decode:
+        deadline.log("ours: decode (eager)")
+        res.dec = bench_our_decode(layers, text, args.decode_prefill, args.decode_steps, device, gen)
     del layers
     release(device)
 
@@ -553,7 +545,7 @@ def targets_table(res: Results) -> str:
     n = TARGET_PREFILL_LENGTH
     speed = f"{fmt_len(n)} prefill >= {TARGET_PREFILL_SPEEDUP:.0f}x faster than V4"
     memory = f"{fmt_len(n)} prefill activation memory <= 1/{TARGET_MEMORY_RATIO:.0f} of V4's"
-    decode = f"decode <= {TARGET_DECODE_MS:g} ms per layer per token (CUDA graphs, the default)"
+    decode = f"decode <= {TARGET_DECODE_MS:g} ms per layer per token (eager layer step)"
     for r, role in enumerate(ROLES):
         if n not in res.lengths:
             rows.append([speed, role, "not measured (length not in --lengths)", "-"])
@@ -581,7 +573,7 @@ def targets_table(res: Results) -> str:
                 status = "met" if theirs / ours >= TARGET_MEMORY_RATIO else "MISSED"
             measured = f"ours {with_unit(ours, fmt_gib, 'GiB')}, V4 {with_unit(theirs, fmt_gib, 'GiB')}"
             rows.append([memory, role, f"{measured} ({ratio(theirs, ours, memory=True)})", status])
-        v = res.dec_graphs[r]
+        v = res.dec[r]
         status = "not measured" if isinstance(v, str) else "met" if v <= TARGET_DECODE_MS else "MISSED"
         rows.append([decode, role, with_unit(v, fmt_ms, "ms"), status])
     return markdown("Targets (issue 7)", ["target", "layer", "measured", "status"], rows)
@@ -633,8 +625,9 @@ def header_lines(res: Results, text, device, args, deadline) -> list[str]:
         "indexer state it leaves in the cache). OOM cells give what the call had at its disposal, a lower bound "
         "of what it needed",
         f"- decode: median ms/token of one layer's one-token step after a {fmt_len(args.decode_prefill)} prefill "
-        f"({args.decode_steps} steps after 2 warm-up); ours `decode_cuda_graphs` True (graphs) and False (eager); "
-        "V4 on its own `DynamicCache` (sliding window K=V + compressor / indexer states)",
+        f"({args.decode_steps} steps after 2 warm-up); ours eager (`block` with one token on the prefill's cache; "
+        "the model's decode replays one CUDA graph of the whole step, measured by `benchmarks/generate.py`, "
+        "not per layer); V4 on its own `DynamicCache` (sliding window K=V + compressor / indexer states)",
         f"- budget {args.budget_s:.0f} s; took {args.budget_s - deadline.left():.0f} s",
         "",
     ]
@@ -651,9 +644,8 @@ def render(res: Results, text, device, args, deadline) -> str:
                    for c in (fmt(ours[n][r]), fmt(theirs[n][r]), ratio(theirs[n][r], ours[n][r], fmt is fmt_gib))]
                 for r in range(len(LAYERS))]
         lines.append(markdown(title, header, rows))
-    header = ["layer", "V4 layer", "ours graphs", "ours eager", "V4", "V4 / ours graphs", "V4 / ours eager"]
-    rows = [[ROLES[r], v4_label(LAYERS[r][2]), fmt_ms(res.dec_graphs[r]), fmt_ms(res.dec_eager[r]),
-             fmt_ms(res.v4_dec[r]), ratio(res.v4_dec[r], res.dec_graphs[r]), ratio(res.v4_dec[r], res.dec_eager[r])]
+    header = ["layer", "V4 layer", "ours eager", "V4", "V4 / ours eager"]
+    rows = [[ROLES[r], v4_label(LAYERS[r][2]), fmt_ms(res.dec[r]), fmt_ms(res.v4_dec[r]), ratio(res.v4_dec[r], res.dec[r])]
             for r in range(len(LAYERS))]
     title = f"Decode after a {fmt_len(args.decode_prefill)} prefill (ms/token, {args.decode_steps} steps)"
     lines.append(markdown(title, header, rows))

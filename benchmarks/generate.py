@@ -32,8 +32,6 @@ from pathlib import Path
 
 import torch
 
-from deepseek_v41_vl.modeling.buffer_pool_deepseek_v41_vl import clear_buffer_pool
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import _sync as sync, environment  # noqa: E402
@@ -104,17 +102,20 @@ def timed_generate(model, inputs, new_tokens: int, device) -> float:
 
 
 def graph_captures(model) -> int:
-    """Decode CUDA graphs the model's layers have captured so far."""
-    return sum(segment.captures for layer in model.model.layers for segment in (layer._decode_segments or {}).values())
+    """Decode CUDA graphs (one per whole-model step shape) the model's decode runner has captured so far."""
+    return model.model.decode_runner.captures
 
 
 def decode_case(model, inputs, steps: int, device, reps: int) -> dict:
     """Time to first token (a 1-token generate) and decode ms/token through generate(), and the
-    graphs captured during the timed calls (after one warm-up call: 0 when every new cache gets
-    the buffers, hence the graphs, of the one before)."""
-    timed_generate(model, inputs, steps, device)  # warm-up: graph captures for this shape
-    before = graph_captures(model)
+    graphs captured during the timed calls of `steps` tokens (after a warm-up call: 0 when the
+    static cache generate keeps on the model, and the step graph captured on it, serve them all).
+    generate() keeps one cache, of the call's length: the 1-token calls come first, with their
+    own warm-up, so that the `steps`-token ones find theirs."""
+    timed_generate(model, inputs, 1, device)  # warm-up: the prefill of this shape
     first = statistics.median(timed_generate(model, inputs, 1, device) for _ in range(reps))
+    timed_generate(model, inputs, steps, device)  # warm-up: the kept cache of this length, its graph
+    before = graph_captures(model)
     whole = statistics.median(timed_generate(model, inputs, steps, device) for _ in range(reps))
     batch = inputs["input_ids"].shape[0]
     per_token = (whole - first) / (steps - 1)
@@ -124,13 +125,18 @@ def decode_case(model, inputs, steps: int, device, reps: int) -> dict:
 
 class DecodeLoop:
     """The model's own forward on one cache, greedy, no generate: `inputs` prefilled once, then
-    :meth:`steps` runs one-token forwards (the steps a timing or a profile looks at)."""
+    :meth:`steps` runs one-token forwards (the steps a timing or a profile looks at). The cache
+    is static, `room` positions past the prompt, or `cache` (reset) when given: a loop on the
+    cache of an earlier one replays the step graph captured there."""
 
     @torch.no_grad()
-    def __init__(self, model, inputs):
+    def __init__(self, model, inputs, cache=None, room: int = 64):
         from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
 
-        self.model, self.cache, self.mask = model, DeepseekV41Cache(model.config), inputs["attention_mask"]
+        if cache is None:
+            cache = DeepseekV41Cache(model.config, max_cache_len=inputs["input_ids"].shape[1] + room)
+        cache.reset()
+        self.model, self.cache, self.mask = model, cache, inputs["attention_mask"]
         self.token = model(**inputs, past_key_values=self.cache, use_cache=True).logits[:, -1:].argmax(-1)
 
     @torch.no_grad()
@@ -143,8 +149,9 @@ class DecodeLoop:
 
 def forward_loop_ms(model, inputs, steps: int, device) -> float:
     """ms per decode step of the model's own forward on one cache (greedy, no generate)."""
-    DecodeLoop(model, inputs).steps(steps)  # warm-up: graph captures on a cache of its own
-    loop = DecodeLoop(model, inputs)
+    warm = DecodeLoop(model, inputs, room=steps + 1)
+    warm.steps(steps + 1)  # warm-up: the graph captured on the cache the timed loop reuses
+    loop = DecodeLoop(model, inputs, cache=warm.cache)
     loop.steps(1)  # as generate's figure, T(steps) - T(1): the first step after the prefill is not timed
     sync(device)
     start = time.perf_counter()
@@ -291,8 +298,6 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--long", type=int, default=16384, help="prompt tokens of the long case")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
-    parser.add_argument("--layer-runs", action="store_true",
-                        help="decode_layer_runs=True: one CUDA graph per run of layers instead of one per layer")
     parser.add_argument("--profile", action="store_true",
                         help="also profile decode steps of the image case: GPU kernel time per step, top kernels")
     parser.add_argument("--profile-distinct", type=int, metavar="B",
@@ -309,13 +314,12 @@ def main(argv=None) -> int:
         args.long, args.steps = min(args.long, 256), min(args.steps, 4)
     start = time.perf_counter()
     model, processor = build(device, args.quick)
-    model.model.decode_layer_runs = args.layer_runs
     held = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     lines = ["## generate() through the processor, full depth", "", *environment(device, args.commit),
              f"- model: released config, random weights, built in {time.perf_counter() - start:.0f} s; "
              f"{held / 2**30:.1f} GiB held (routed experts: one layer's storage shared by all MoE layers; "
              f"Engram tables {model.config.text_config.engram_num_embeddings} rows); greedy, min_new_tokens = max_new_tokens = {args.steps}, "
-             f"median of {args.reps}; decode_layer_runs={args.layer_runs}", "",
+             f"median of {args.reps}; decode_runner.graphs={model.model.decode_runner.graphs} (one CUDA graph per whole-model step shape; eager off CUDA)", "",
              "| case | batch | prompt tokens | time to first token | decode ms/token | tokens/s | model forward ms/step "
              "| graphs captured in the timed calls |",
              "|---|---|---|---|---|---|---|---|"]
@@ -328,7 +332,7 @@ def main(argv=None) -> int:
                          f"{r['decode_ms']:.1f} | {r['tok_s']:.1f} | {own} | {r['captures']} |")
         except torch.cuda.OutOfMemoryError:
             lines.append(f"| {name} | | | OOM | | | | |")
-            clear_buffer_pool()
+            model.__dict__.pop("_kept_cache", None)  # generate()'s static cache and its step graph
             torch.cuda.empty_cache()
         print(lines[-1], flush=True)
 

@@ -55,19 +55,14 @@ plus one chunk's intermediates. The attention itself runs through
 `triton_ops/sparse_attention.py` (the Triton kernel on CUDA, its torch fallback elsewhere; exact
 numerics always take the fallback with the reference's op shapes).
 
-One-token decode steps in fast numerics without padding have a second, graph-safe form
-(:meth:`DeepseekV41Attention.decode_plan` / :meth:`~DeepseekV41Attention.decode_static` /
-:meth:`~DeepseekV41Attention.decode_commit`): the host plans the step (which buffers, how wide),
-and the step itself has no shape or branch that depends on the sequence length: caches are written
-in place with ``index_copy_`` at the device position, the compressed rows and index keys are read
-in a power-of-two width with the rows past the ones in use masked, and the top-k keeps the same
-set as :meth:`forward` (listed in another order), so a CUDA graph of it stays valid from step to
-step (see `cuda_graphs_deepseek_v41_vl.py`).
+A one-token step of the decode engine has its own function, :meth:`DeepseekV41Attention.decode_step`:
+the same values from device tensors only (each row's position, the cache written in place, the
+compressed rows read in a width fixed for the sequence), so that the whole model's step is
+captured once and replayed (`decode_step_deepseek_v41_vl.py`). :meth:`forward` keeps one-token
+steps too (exact numerics, hooks, autograd), in the reference's op order.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -76,11 +71,10 @@ from ..triton_ops.sparse_attention import SPARSE_ATTN_BLOCK
 from ..triton_ops.sparse_attention import sparse_attention as sparse_attention_op
 from .attention_state_deepseek_v41_vl import (
     DeepseekV41AttentionState,
+    DeepseekV41DecodeStep,
     chunk_window_idxs,
     decode_window_idxs,
-    decode_window_idxs_at,
 )
-from .cache_deepseek_v41_vl import DeepseekV41AttentionCache
 from .compressor_deepseek_v41_vl import compressor_for_layer
 from .exceptions_deepseek_v41_vl import DeepseekV41AttentionError
 from .indexer_deepseek_v41_vl import DeepseekV41Indexer
@@ -93,66 +87,14 @@ from .rope_deepseek_v41_vl import DeepseekV41RotaryEmbedding, apply_rotary
 COMPRESSED_KV_FP4 = (16, "e4m3")
 
 
-@dataclass
-class DecodeProjections:
-    """What a one-token step computes from the token alone (fixed shapes, CUDA-graph safe), handed
-    to the cache-dependent middle (:meth:`DeepseekV41Attention.decode_attend`). Fields a layer
-    does not have are None.
-
-    Attributes:
-        index_q, index_weights: the indexer's fp4 query ``[B, 1, IH, Id]`` and head weights
-            ``[B, 1, IH]`` (index sources).
-        compressor_kv, compressor_score: fp32 ``[B, 1, D]`` projections of the ratio-2 compressor.
-        latent: the latent this step completes, normalized ``[B, 1, D]`` (pre-RoPE): every step of
-            a ratio-1 compressor; for ratio > 1 the steps that end a group (pooled with the parked
-            slots, which the caller passes in);
-        latent_kv: its RoPE'd fp4 compressed-KV row; latent_k: its fp4 index key (owners of keys).
-    """
-
-    index_q: torch.Tensor | None = None
-    index_weights: torch.Tensor | None = None
-    compressor_kv: torch.Tensor | None = None
-    compressor_score: torch.Tensor | None = None
-    latent: torch.Tensor | None = None
-    latent_kv: torch.Tensor | None = None
-    latent_k: torch.Tensor | None = None
-
-    def as_tuple(self) -> tuple:
-        return (self.index_q, self.index_weights, self.compressor_kv, self.compressor_score,
-                self.latent, self.latent_kv, self.latent_k)
-
-
-# A graph-captured decode step reads the compressed rows and index keys in widths of powers of two
-# (at least this many rows): a new graph only when the sequence crosses one.
+# A step on a growing cache reads the compressed rows and index keys in widths of powers of two
+# (at least this many rows): a new capture only when the sequence crosses one.
 DECODE_MIN_ROWS = 256
 
 
 def decode_rows(visible: int) -> int:
-    """Rows of a compressed buffer a graph-safe decode step reads when `visible` are in use."""
+    """Rows of a growing cache's compressed buffers a decode step reads when `visible` are in use."""
     return max(DECODE_MIN_ROWS, 1 << max(visible - 1, 0).bit_length())
-
-
-@dataclass(frozen=True)
-class DecodePlan:
-    """Host-side layout of one layer's graph-safe decode step (:meth:`DeepseekV41Attention.decode_plan`).
-
-    Attributes:
-        visible: compressed positions the step's query sees, ``(start_pos + 1) // ratio`` (0 for a
-            window-only layer).
-        width: rows of the compressed KV and index keys the step reads (:func:`decode_rows`; the
-            rows from `visible` on are masked).
-        writes: the step appends a compressed row (and an index key, for key owners) at row
-            ``visible - 1``.
-        publisher: the layer whose index keys the indexer reads (index sources), else None.
-        key: what a CUDA graph of the step depends on besides its tensor arguments: the above and
-            the address and shape of every cache buffer it reads or writes in place.
-    """
-
-    visible: int
-    width: int
-    writes: bool
-    publisher: int | None
-    key: tuple
 
 
 class DeepseekV41Attention(nn.Module):
@@ -225,27 +167,25 @@ class DeepseekV41Attention(nn.Module):
         rows = apply_rotary(latent, freqs)
         return fake_quant_fp4(rows, *COMPRESSED_KV_FP4, backend=self.numerics.backend("fake_quant", rows.device))
 
-    def _window_kv(self, x, freqs, state: DeepseekV41AttentionState, kv: torch.Tensor | None = None):
+    def _window_kv(self, x, freqs, state: DeepseekV41AttentionState):
         """This forward's window KV rows and each query's rows in them.
 
         Prefill: the chunk's rows. A prefill chunk after position 0: the ring (the last `window`
         positions before it) followed by the chunk's rows. Decode: the ring, after writing the
         step's row into it. The ring always ends up holding the last `window` positions.
-        `kv`: the rows of :meth:`window_kv_rows` when the caller already has them.
         """
         bsz, seqlen, _ = x.shape
         start_pos, win = state.start_pos, self.window
-        if kv is None:
-            kv = self.window_kv_rows(x, freqs)
+        kv = self.window_kv_rows(x, freqs)
         layer_cache = state.cache.layer(self.layer_id)
         if start_pos > 0 and layer_cache.window_kv is None:
             raise DeepseekV41AttentionError("a forward after position 0 before any prefill: the window cache is empty")
         if start_pos > 0 and seqlen == 1:
             layer_cache.window_kv[:, start_pos % win] = kv.squeeze(1)
-            return layer_cache.window_kv, self.decode_window_idxs(state, bsz, x.device)
+            return layer_cache.window_kv, decode_window_idxs(win, bsz, start_pos, state.pad_offsets, x.device)
         if start_pos == 0:
             window_kv = kv
-            layer_cache.window_kv = layer_cache.buffer("window_kv", (bsz, win, self.head_dim), kv)
+            layer_cache.start_window(kv, win)
         else:
             window_kv = torch.cat([layer_cache.window_kv, kv], dim=1)  # a copy: the ring can be updated
         keep = min(seqlen, win)
@@ -255,25 +195,18 @@ class DeepseekV41Attention(nn.Module):
         return window_kv, chunk_window_idxs(win, bsz, seqlen, start_pos, state.pad_offsets, x.device, span)
 
     # -- compressed KV ------------------------------------------------------------------------
-    def _compressed_kv(self, x, qr, freqs, state: DeepseekV41AttentionState, offset: int, pre: DecodeProjections | None = None):
+    def _compressed_kv(self, x, qr, freqs, state: DeepseekV41AttentionState, offset: int):
         bsz, seqlen, _ = x.shape
         start_pos, ratio = state.start_pos, self.ratio
         compress_len = state.max_real_end(seqlen) // ratio
         latents = latent_freqs = None
-        have_latent_rows = pre is not None and pre.latent_kv is not None  # ratio 1: made by decode_project
         if self.is_kv_source:
-            step = {}
-            if pre is not None:
-                step["latent"] = pre.latent
-                if self.compressor.parks:
-                    step["kv_score"] = (pre.compressor_kv, pre.compressor_score)
-            latents = self.compressor(x, start_pos, state.cache.layer(self.layer_id), state.pad_offsets, **step)
+            latents = self.compressor(x, start_pos, state.cache.layer(self.layer_id), state.pad_offsets)
             if latents is not None:
-                if not have_latent_rows:
-                    latent_freqs = self.rotary(latents.groups * ratio)  # each latent at its group's first token
+                latent_freqs = self.rotary(latents.groups * ratio)  # each latent at its group's first token
                 # index keys come from the latent before RoPE
                 if self.indexer is not None and self.indexer.owns_k and compress_len > 0:
-                    self.indexer.publish_keys(latents, latent_freqs, state, None if pre is None else pre.latent_k)
+                    self.indexer.publish_keys(latents, latent_freqs, state)
 
         if self.is_index_source:
             if compress_len == 0:
@@ -281,8 +214,7 @@ class DeepseekV41Attention(nn.Module):
                 width = min(self.indexer.index_topk, max(state.rank_ends(seqlen)) // ratio) if self.numerics.exact else 0
                 idxs = torch.full((bsz, seqlen, width), -1, dtype=torch.int32, device=x.device)
             else:
-                queries = None if pre is None or pre.index_q is None else (pre.index_q, pre.index_weights)
-                idxs = self.indexer(x, qr, freqs, state, offset, queries=queries)
+                idxs = self.indexer(x, qr, freqs, state, offset)
             state.topk_idxs[self.layer_id] = idxs
         else:
             if self.index_source not in state.topk_idxs:
@@ -292,14 +224,10 @@ class DeepseekV41Attention(nn.Module):
             idxs = state.topk_idxs[self.index_source].to(x.device)  # (the source may sit on another GPU)
 
         if latents is not None:
-            if have_latent_rows:
-                latent = pre.latent_kv
-            else:
-                latent = self._compressed_row(latents.values, latent_freqs)
+            latent = self._compressed_row(latents.values, latent_freqs)
             layer_cache = state.cache.layer(self.layer_id)
-            layer_cache.compressed_kv = latents.store(
-                layer_cache.compressed_kv, latent, fresh=start_pos == 0, role=layer_cache.role("compressed_kv")
-            )
+            make = lambda like: layer_cache.row_buffer("compressed_kv", like, ratio)  # noqa: E731
+            layer_cache.compressed_kv = latents.store(layer_cache.compressed_kv, latent, fresh=start_pos == 0, make=make)
         source = state.cache.layer(self.kv_source).compressed_kv
         if source is None:
             if compress_len:
@@ -375,250 +303,81 @@ class DeepseekV41Attention(nn.Module):
         o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
         return self.wo_b(o.flatten(2))
 
-    # -- one-token decode in three parts (the outer two have fixed shapes: CUDA-graph safe) ----
-    def decode_freqs(self, state: DeepseekV41AttentionState, device: torch.device) -> torch.Tensor:
-        """The RoPE table of a one-token step at `state.start_pos`: complex64 ``[1, rd/2]`` or
-        ``[B, 1, rd/2]`` with left padding."""
-        return state.step_table(
-            ("decode_freqs", self.rotary.table_key, state.start_pos, device),
-            lambda: self.rotary(state.positions(1, device).clamp_min(0)),
-        )
+    # -- the one-token decode step (one function of device tensors, see `decode_step_deepseek_v41_vl.py`)
+    def decode_step(self, x: torch.Tensor, step: DeepseekV41DecodeStep) -> torch.Tensor:
+        """The attention of a one-token step after a prefill, with no shape, branch or host value
+        that changes from step to step: the caches are written in place at each row's device
+        position, the compressed rows and index keys are read in the step's fixed width
+        (``step.width(ratio)``) with the rows past each row's visible ones masked. A CUDA graph
+        of it stays valid for the whole sequence.
 
-    def decode_group_inputs(self, state: DeepseekV41AttentionState, device: torch.device) -> tuple:
-        """For :meth:`decode_project` on a step that ends a ratio > 1 compressor group (no left
-        padding): ``(parked_kv, parked_score, group_freqs)`` (the parked slots and the RoPE table of
-        the group's first position), else ``()``."""
-        compressor = self.compressor
-        if compressor is None or not compressor.parks or state.pad_offsets is not None:
-            return ()
-        if not compressor.emits_latent(state.start_pos):
-            return ()
-        cache = state.cache.layer(self.layer_id)
-        if cache.compressor_kv is None:
-            return ()
-        return cache.compressor_kv, cache.compressor_score, self._group_freqs(state, device)
+        Per batch row (its position ``step.positions[b]``, counted from its first real token):
+        the window ring slot ``column % window``; a kv source parks its compressor projections,
+        pools the group they are in and writes the latent at row ``position // ratio`` (a row no
+        query sees until the group ends there: the step that ends it writes the final value); an
+        owner of index keys writes its key there too and becomes the row's publisher when the
+        group ends; an index source ranks the keys of each row's publisher.
 
-    def _group_freqs(self, state: DeepseekV41AttentionState, device: torch.device) -> torch.Tensor:
-        """RoPE table ``[1, rd/2]`` of the first position of the group a step at `start_pos` ends."""
-        first = state.start_pos + 1 - self.ratio
-        return state.step_table(
-            ("group_freqs", self.rotary.table_key, first, device),
-            lambda: self.rotary(torch.arange(first, first + 1, device=device)),
-        )
-
-    # -- one-token decode as one graph-safe function (fast numerics, no left padding) ------------
-    def decode_plan(self, state: DeepseekV41AttentionState, batch: int) -> DecodePlan | None:
-        """The host-side layout of this layer's step in :meth:`decode_static`, or None when the
-        step must take :meth:`decode_attend` (exact numerics, left padding, recorded index scores,
-        a cache that does not hold what the step reads yet: the first steps after a prompt
-        shorter than a compressor group, or compressed rows / index keys on another GPU). Makes
-        room in the buffers the step writes or reads (a buffer that grows moves: its address is
-        part of the plan's key).
-        """
-        if self.numerics.exact or state.pad_offsets is not None or state.record_index_scores:
-            return None
-        cache = state.cache
-        own = cache.layer(self.layer_id)
-        if own.window_kv is None or own.window_kv.size(0) != batch:
-            return None
-        key = [batch, own.window_kv.data_ptr()]
-        if not self.ratio:
-            return DecodePlan(0, 0, False, None, tuple(key))
-        visible = (state.start_pos + 1) // self.ratio
-        if visible == 0:
-            return None
-        writes = False
-        owns_k = self.indexer is not None and self.indexer.owns_k
-        grown = []  # buffers the step writes or reads, with the rows they hold after its writes
-        if self.is_kv_source:
-            writes = self.compressor.emits_latent(state.start_pos)
-            if own.compressed_kv is None or own.compressed_kv.length != visible - writes:
-                return None
-            if owns_k and (own.index_k is None or own.index_k.length != own.compressed_kv.length):
-                return None
-            if self.compressor.parks:
-                if own.compressor_kv is None:
-                    return None
-                key += [own.compressor_kv.data_ptr(), own.compressor_score.data_ptr()]
-            if owns_k:
-                grown.append((own.index_k, visible))
-        source = cache.layer(self.kv_source).compressed_kv
-        if source is None:
-            return None
-        grown.append((source, source.length + (writes and self.kv_source == self.layer_id)))
-        publisher = None
-        if self.is_index_source:
-            publisher = self.layer_id if owns_k and writes else cache.index_k_publisher
-            if publisher is None or cache.index_k_publisher_rows is not None:
-                return None
-            keys = cache.layer(publisher).index_k
-            if keys is None:
-                return None
-            grown.append((keys, keys.length + (publisher == self.layer_id and writes)))
-            if self.indexer.uses_candidates and state.candidate_blocks is None:
-                return None
-        elif self.index_source not in state.topk_idxs:
-            return None
-        device = own.window_kv.device
-        if any(rows < visible or buffer.device != device for buffer, rows in grown):
-            return None  # too few rows yet, or a source on another GPU (a device_map split)
-        width = decode_rows(visible)
-        for buffer, _ in grown:
-            buffer.reserve(width)
-        key += [buffer.address for buffer, _ in grown]
-        return DecodePlan(visible, width, writes, publisher, (*key, publisher, width, writes))
-
-    def decode_window_idxs(self, state: DeepseekV41AttentionState, batch: int, device: torch.device) -> torch.Tensor:
-        """Ring slots a one-token step at `state.start_pos` attends to, int32 ``[B, 1, window]``
-        (built once per step for all layers)."""
-        win, start_pos = self.window, state.start_pos
-        return state.step_table(
-            ("decode_window_idxs", win, batch, start_pos, device),
-            lambda: decode_window_idxs(win, batch, start_pos, state.pad_offsets, device),
-        )
-
-    def decode_static(
-        self,
-        plan: DecodePlan,
-        cache: DeepseekV41AttentionCache,
-        x: torch.Tensor,
-        freqs: torch.Tensor,
-        pos: torch.Tensor,
-        topk_idxs: torch.Tensor | None = None,
-        candidate_blocks: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The attention of a one-token step with every shape fixed by `plan` and the position
-        given on the device, so that a CUDA graph can capture it whole: projections, the ring
-        write, the compressor (slot write, pooling on a step that ends a group, the compressed
-        row and index key written in place), the indexer over `plan.width` keys, the sparse
-        attention over ``[ring ; plan.width compressed rows]``. Equals :meth:`forward` up to the
-        order in which tied or equal top-k picks are listed (the kept set is the same).
+        Against :meth:`forward` on a one-token step the values are the same except for the order
+        of the top-k picks (fast numerics skip their sort; the attention then adds the same terms
+        in another order) and ties of equal scores at the top-k boundary, ranked over a wider
+        width.
 
         Args:
-            plan: from :meth:`decode_plan` for this step (its host bookkeeping is
-                :meth:`decode_commit`, after this).
-            cache: the attention cache the plan was made on.
-            x: bf16 ``[B, 1, dim]`` (attn_norm output); freqs: the step's RoPE table
-                (``self.rotary(pos)``).
-            pos: int64 ``[1]``, the step's position (the window's index list and a group's RoPE
-                table are built from it on the device).
-            topk_idxs: layers that are not index sources: the index source's indices this step.
-            candidate_blocks: candidate users: the candidate source's kept blocks this step.
+            x: bf16 ``[B, 1, dim]`` (the attn_norm output).
+            step: the step's :class:`DeepseekV41DecodeStep` (tables, hand-downs, cache).
 
         Returns:
-            ``(o, topk_idxs, candidate_blocks)``: o bf16 ``[B, 1, H, head_dim]`` (before
-            :meth:`output`); this layer's top-k indices (index sources) and kept blocks (the
-            candidate source), else None.
+            o bf16 ``[B, 1, H, head_dim]`` (before :meth:`output`).
+
+        Mirrors `inference/model.py: Attention.forward` with ``start_pos > 0``.
         """
-        qr, kv_row, q, *extras = self.decode_project(x, freqs)
-        pre = DecodeProjections(*extras)
-        own = cache.layer(self.layer_id)
-        own.window_kv.index_copy_(1, pos % self.window, kv_row)
-        window_idxs = decode_window_idxs_at(self.window, x.size(0), pos)
-        if not self.ratio:
-            return self._sparse(q, own.window_kv, window_idxs), None, None
-        if self.is_kv_source:
-            latent_kv, latent_k = pre.latent_kv, pre.latent_k
-            latent = self.compressor.park_step(own, pos, pre.compressor_kv, pre.compressor_score, plan.writes, x.dtype)
-            if latent is not None:  # a pooling compressor's group ends here
-                group_freqs = self.rotary(pos + 1 - self.ratio)  # the group's first position
-                latent_kv = self._compressed_row(latent, group_freqs)
-                if self.indexer is not None and self.indexer.owns_k:
-                    latent_k = self.indexer.index_keys_of(latent, group_freqs)
-            if plan.writes:
-                row = pos // self.ratio
-                own.compressed_kv.write_at(row, latent_kv)
-                if latent_k is not None:
-                    own.index_k.write_at(row, latent_k)
-        blocks = None
-        if self.is_index_source:
-            keys = cache.layer(plan.publisher).index_k.storage(plan.width)
-            visible = (pos + 1) // self.ratio
-            topk_idxs, blocks = self.indexer.decode_select(
-                pre.index_q, pre.index_weights, keys, visible, self.window, candidate_blocks
-            )
-        compressed = cache.layer(self.kv_source).compressed_kv.storage(plan.width)
-        kv = torch.cat([own.window_kv, compressed], dim=1)
-        o = self._sparse(q, kv, torch.cat([window_idxs, topk_idxs], dim=-1))
-        return o, (topk_idxs if self.is_index_source else None), blocks
-
-    def decode_commit(
-        self,
-        plan: DecodePlan,
-        state: DeepseekV41AttentionState,
-        topk_idxs: torch.Tensor | None,
-        candidate_blocks: torch.Tensor | None,
-    ) -> None:
-        """The host-side bookkeeping of a :meth:`decode_static` step: row counts of the written
-        buffers, the index-key publisher, and what the step hands down to later layers (under a
-        CUDA graph these are buffers the graph writes, outside its memory pool: valid through the
-        step, rewritten by the graph's next replay)."""
-        if plan.writes:
-            own = state.cache.layer(self.layer_id)
-            own.compressed_kv.length = plan.visible
-            if self.indexer is not None and self.indexer.owns_k:
-                own.index_k.length = plan.visible
-                state.cache.publish_index_keys(self.layer_id)
-        if topk_idxs is not None:
-            state.topk_idxs[self.layer_id] = topk_idxs
-        if candidate_blocks is not None:
-            state.candidate_blocks = candidate_blocks
-
-    def decode_project(self, x: torch.Tensor, freqs: torch.Tensor, *group_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The step's projections, which depend on nothing that grows: x bf16 ``[B, 1, dim]`` ->
-        ``(qr [B, 1, q_lora], kv_row [B, 1, head_dim], q [B, 1, H, head_dim], *extras)`` where
-        `extras` is :class:`DecodeProjections` as a flat tuple (indexer queries, compressor
-        projections, and the latent the step completes with its compressed-KV row and index key:
-        for ratio 1 at the token's own RoPE position; for ratio > 1 when `group_inputs`, from
-        :meth:`decode_group_inputs`, give the parked slots and the group's table)."""
+        freqs = step.freqs(self.rotary)
         qr = self.q_norm(self.wq_a(x))
-        pre = DecodeProjections()
-        if self.indexer is not None:
-            pre.index_q, pre.index_weights = self.indexer.queries(x, qr, freqs)
-        if self.compressor is not None:
-            pre.compressor_kv, pre.compressor_score, pre.latent, latent_freqs = self.compressor.decode_project(
-                x, freqs, *group_inputs
+        own = step.cache.layer(self.layer_id)
+        own.window_kv.index_copy_(1, step.column % self.window, self.window_kv_rows(x, freqs))
+        window_idxs = step.window_idxs(self.window)
+        q = self.queries(qr, freqs)
+        if not self.ratio:
+            return self._sparse(q, own.window_kv, window_idxs)
+        if self.is_kv_source:
+            self._decode_compress(x, freqs, own, step)
+        width = step.width(self.ratio)
+        if self.is_index_source:
+            visible = ((step.positions + 1) // self.ratio).view(-1, 1, 1)
+            index_q, index_weights = self.indexer.queries(x, qr, freqs)
+            topk_idxs, blocks = self.indexer.decode_select(
+                index_q, index_weights, step.published_keys(width), visible, self.window, step.candidate_blocks
             )
-            if pre.latent is not None:
-                pre.latent_kv = self._compressed_row(pre.latent, latent_freqs)
-                if self.indexer is not None and self.indexer.owns_k:
-                    pre.latent_k = self.indexer.index_keys_of(pre.latent, latent_freqs)
-        return (qr, self.window_kv_rows(x, freqs), self.queries(qr, freqs), *pre.as_tuple())
+            step.topk_idxs[self.layer_id] = topk_idxs
+            if blocks is not None:
+                step.candidate_blocks = blocks
+        else:
+            topk_idxs = step.topk_idxs[self.index_source]
+        compressed = step.cache.layer(self.kv_source).compressed_kv.storage(width)
+        kv = torch.cat([own.window_kv, compressed], dim=1)
+        return self._sparse(q, kv, torch.cat([window_idxs, topk_idxs], dim=-1))
 
-    def decode_attend(
-        self,
-        x: torch.Tensor,
-        qr: torch.Tensor,
-        kv_row: torch.Tensor,
-        q: torch.Tensor,
-        freqs: torch.Tensor,
-        state: DeepseekV41AttentionState,
-        *extras: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The cache-dependent middle of a one-token step (its shapes grow with the sequence):
-        ring write, compressor, indexer, index lists, sparse attention; `extras` are the tail of
-        :meth:`decode_project`'s output. Returns o bf16
-        ``[B, 1, H, head_dim]`` (before :meth:`output`). The three parts together equal
-        :meth:`forward` on a one-token step.
-
-        Raises:
-            DeepseekV41AttentionError: not a one-token step after a prefill.
-        """
-        if x.size(1) != 1 or state.start_pos == 0:
-            raise DeepseekV41AttentionError(f"decode_attend takes one token after a prefill, got {x.size(1)} at {state.start_pos}")
-        kv, idxs = self._window_kv(x, freqs, state, kv=kv_row)
-        if self.ratio:
-            pre = DecodeProjections(*extras) if extras else None
-            compressed, compressed_idxs = self._compressed_kv(x, qr, freqs, state, kv.size(1), pre)
-            kv = torch.cat([kv, compressed], dim=1)
-            idxs = torch.cat([idxs, compressed_idxs], dim=-1)
-        return self._sparse(q, kv, idxs)
+    def _decode_compress(self, x: torch.Tensor, freqs: torch.Tensor, own, step: DeepseekV41DecodeStep) -> None:
+        """A kv source's part of a decode step: the latent of each row's current group (see
+        :meth:`decode_step`), its compressed-KV row and index key written at row position // ratio,
+        and the publisher of the rows whose group ends here."""
+        positions = step.positions
+        latent, group_freqs = self.compressor.decode_latent(x, freqs, own, positions, self.rotary)
+        row = positions // self.ratio
+        own.compressed_kv.write_rows_at(row, self._compressed_row(latent, group_freqs))
+        if self.indexer is not None and self.indexer.owns_k:
+            own.index_k.write_rows_at(row, self.indexer.index_keys_of(latent, group_freqs))
+            if self.ratio == 1:
+                step.publisher.fill_(self.layer_id)
+            else:
+                ends_group = (positions + 1) % self.ratio == 0
+                step.publisher.copy_(torch.where(ends_group, self.layer_id, step.publisher))
 
 
 __all__ = [
     "COMPRESSED_KV_FP4",
-    "DecodePlan",
-    "DecodeProjections",
+    "DECODE_MIN_ROWS",
     "DeepseekV41Attention",
     "decode_rows",
 ]

@@ -1,5 +1,7 @@
 """What one forward of the attention stack shares, and the index lists its layers build.
 
+- :class:`DeepseekV41DecodeStep`: the same for one step of the decode engine, from device
+  tensors only (each row's position, the index-key publisher), so the step can be captured once.
 - :class:`DeepseekV41AttentionState`: the hand-down slots of one forward (compressed KV and index
   keys published by kv sources, top-k indices by index sources, candidate blocks by the candidate
   source), around the :class:`DeepseekV41AttentionCache` that persists across forwards. The
@@ -55,9 +57,6 @@ class DeepseekV41AttentionState:
     candidate_blocks: torch.Tensor | None = None  # last: keeps the older fields' positions
     pad_offsets: torch.Tensor | None = None
     _pads: list[int] | None = field(default=None, init=False, repr=False)  # pad_offsets on the host
-    # tables every layer of a one-token step would build alike (RoPE rows, window index lists),
-    # built by the first layer that asks: each saves a few kernel launches per layer and step
-    _step_tables: dict = field(default_factory=dict, init=False, repr=False)
 
     def shared_snapshot(self, layer_id: int) -> tuple:
         """What a layer reads of the state other layers write within a forward, as it is now (for
@@ -78,12 +77,6 @@ class DeepseekV41AttentionState:
         else:
             self.cache.layers[layer_id] = own
 
-    def step_table(self, key: tuple, build):
-        """`build()` once per forward for `key`; later calls return the same (read-only) tensor."""
-        if key not in self._step_tables:
-            self._step_tables[key] = build()
-        return self._step_tables[key]
-
     def positions(self, seqlen: int, device=None) -> torch.Tensor:
         """Positions of this forward's tokens: int64 ``[S]`` (start_pos .. start_pos + S - 1), or
         with `pad_offsets` ``[B, S]`` counted from each row's first real token (pads negative)."""
@@ -96,7 +89,10 @@ class DeepseekV41AttentionState:
         if self.pad_offsets is None:
             return [0]
         if self._pads is None:
-            self._pads = self.pad_offsets.tolist()  # one device sync per forward
+            if self.pad_offsets is self.cache.pad_offsets and self.cache.host_pads is not None:
+                self._pads = self.cache.host_pads  # read when the cache took the padding
+            else:
+                self._pads = self.pad_offsets.tolist()  # one device sync per forward
         return self._pads
 
     def real_ends(self, seqlen: int) -> list[int]:
@@ -128,6 +124,77 @@ class DeepseekV41AttentionState:
     def max_real_end(self, seqlen: int) -> int:
         """The longest row's sequence length after this forward (``start_pos + S`` unpadded)."""
         return max(self.real_ends(seqlen))
+
+
+@dataclass
+class DeepseekV41DecodeStep:
+    """What every layer of one decode step (`DeepseekV41Attention.decode_step`) reads and hands
+    down: device tensors and values fixed for the whole sequence only, so that the step is one
+    function a CUDA graph captures once and replays at every position.
+
+    Attributes:
+        cache: the :class:`DeepseekV41AttentionCache` the step reads and writes in place.
+        column: int64 ``[1]``, the padded column of the step's token (the cache's length).
+        positions: int64 ``[B]``, each row's position, counted from its first real token.
+        pads: int64 ``[B]`` left padding of the rows, or None.
+        publisher: int64 ``[B]``, each row's last index-key publisher (-1: none), updated in place
+            by the owners of keys whose group ends at the step.
+        widths: compress ratio -> the compressed rows (and index keys) the step reads: fixed for
+            the sequence (a static cache's capacity) or a bucket of a growing cache.
+        key_owners: the layers whose index keys a row's publisher may be, in layer order.
+        engram_hash_ids: the step's Engram hash ids ``[B, 1, n_engram_layers, cols]`` or None.
+        topk_idxs, candidate_blocks: the hand-downs of the index sources and the candidate source
+            within the step (`inference/model.py: SharedAttentionRuntime`).
+    """
+
+    cache: DeepseekV41AttentionCache
+    column: torch.Tensor
+    positions: torch.Tensor
+    publisher: torch.Tensor
+    widths: dict[int, int]
+    key_owners: tuple[int, ...]
+    pads: torch.Tensor | None = None
+    engram_hash_ids: torch.Tensor | None = None
+    topk_idxs: dict[int, torch.Tensor] = field(default_factory=dict)
+    candidate_blocks: torch.Tensor | None = None
+    _tables: dict = field(default_factory=dict, repr=False)
+
+    def width(self, ratio: int) -> int:
+        return self.widths[ratio]
+
+    def freqs(self, rotary) -> torch.Tensor:
+        """The RoPE table of every row's position, complex64 ``[B, 1, rd/2]`` (built once per step
+        for the layers that share `rotary`'s tables)."""
+        key = ("freqs", rotary.table_key)
+        if key not in self._tables:
+            self._tables[key] = rotary(self.positions.view(-1, 1))
+        return self._tables[key]
+
+    def window_idxs(self, window: int) -> torch.Tensor:
+        """The ring slots each row's query reads, oldest first, int32 ``[B, 1, window]`` (-1 for
+        slots of no position yet or of a row's padding; built once per step)."""
+        key = ("window", window)
+        if key not in self._tables:
+            idxs = decode_window_idxs_at(window, self.positions.size(0), self.column)
+            if self.pads is not None:
+                held = self.column - window + 1 + torch.arange(window, device=idxs.device)  # column of each slot
+                idxs = torch.where(held < self.pads.view(-1, 1, 1), -1, idxs).int()
+            self._tables[key] = idxs
+        return self._tables[key]
+
+    def published_keys(self, width: int) -> torch.Tensor:
+        """The first `width` stored index keys of each row's publisher ``[B, width, Id]`` (rows
+        without one: the first owner's; they see no compressed position)."""
+        keys = None
+        for owner in self.key_owners:
+            held = self.cache.layer(owner).index_k
+            if held is None:
+                continue
+            rows = held.storage(width)
+            keys = rows if keys is None else torch.where((self.publisher == owner).view(-1, 1, 1), rows, keys)
+        if keys is None:
+            raise DeepseekV41AttentionError("a decode step's indexer found no index keys: the prefill published none")
+        return keys
 
 
 # --------------------------------------------------------------------------- padding
@@ -276,6 +343,7 @@ def decode_window_idxs_at(window: int, batch: int, pos: torch.Tensor) -> torch.T
 
 __all__ = [
     "DeepseekV41AttentionState",
+    "DeepseekV41DecodeStep",
     "check_same_padding",
     "chunk_window_idxs",
     "decode_window_idxs",

@@ -25,12 +25,11 @@ from __future__ import annotations
 import numbers
 import weakref
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .buffer_pool_deepseek_v41_vl import cache_buffer
 from .crop_deepseek_v41_vl import DeepseekV41CropHistory
 from .exceptions_deepseek_v41_vl import DeepseekV41AttentionError, DeepseekV41CacheError
 
@@ -42,50 +41,82 @@ def select_batch_rows(tensor: torch.Tensor | None, index: torch.Tensor) -> torch
     rows = tensor.index_select(0, index.to(tensor.device))
     writable = not tensor.is_inference() or torch.is_inference_mode_enabled()
     if rows.shape == tensor.shape and tensor.is_contiguous() and writable:
-        # same batch size (beam search reorders every step): keep the storage, so that decode
-        # steps captured in CUDA graphs (which address the cache buffers) are replayed, not
-        # captured again
+        # same batch size (beam search reorders every step): keep the storage, so that a captured
+        # decode step (which addresses the cache's tensors) is replayed, not captured again
         return tensor.copy_(rows)
     return rows
 
 
 def _capacity(rows: int) -> int:
-    """Storage rows for `rows`: the power of two at or above it (0 for none), so that caches of
-    similar lengths share buffer shapes (and, on CUDA, pooled buffers and their decode graphs)."""
+    """Storage rows of a growing buffer holding `rows`: the power of two at or above it (0 for none)."""
     return 0 if rows <= 0 else 1 << (rows - 1).bit_length()
 
 
-class DeepseekV41RowBuffer:
-    """Rows ``[B, n, D]`` appended along dim 1, stored in a capacity of a power of two rows
-    (doubling as it grows), zeros past the rows written.
+class DeepseekV41StorageEpoch:
+    """A counter shared by one cache's layers, advanced whenever one of its state tensors is
+    allocated or replaced (never when one is written in place). A captured decode step addresses
+    the cache's tensors: it stays valid while the epoch it was captured at is the current one."""
 
-    `length` is the number of rows of the longest batch row; with left padding a shorter batch row
-    holds zeros past its own end (nothing reads them: they are never visible to its queries).
-    `role` (e.g. ``(layer_id, "compressed_kv")``) names the buffer for the cache buffer pool
-    (`buffer_pool_deepseek_v41_vl.py`); None keeps it out of the pool.
+    __slots__ = ("value",)
+
+    def __init__(self):
+        self.value = 0
+
+    def advance(self) -> None:
+        self.value += 1
+
+
+def _new_state_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, fill: float) -> torch.Tensor:
+    # an ordinary tensor even under torch.inference_mode(): a later step outside it writes in place
+    with torch.inference_mode(False):
+        return torch.full(shape, fill, dtype=dtype, device=device)
+
+
+class DeepseekV41RowBuffer:
+    """Rows ``[B, n, D]`` appended along dim 1, zeros past the rows written.
+
+    A static buffer (`fixed_capacity`, a cache made with ``max_cache_len``) holds its capacity from
+    the start and never moves; a growing one holds a power of two rows and doubles (a new storage)
+    as it grows. `length` is the number of rows of the longest batch row; with left padding a
+    shorter batch row holds zeros past its own end (nothing reads them).
+
+    Args:
+        storage: the zero-filled ``[B, capacity, D]`` storage.
+        allocate: ``allocate(shape)`` -> a new zero-filled storage of the same dtype and device
+            (growing buffers only).
+        fixed_capacity: True for a static buffer.
     """
 
-    def __init__(self, rows: torch.Tensor, role: tuple | None = None):
-        self.role = role
-        # a copy, never a view: the rows may be a CUDA graph's output, rewritten by its next replay
-        self._data = self._storage(rows.size(0), _capacity(rows.size(1)), rows)
-        self._data[:, : rows.size(1)] = rows
-        self.length = rows.size(1)
+    def __init__(self, storage: torch.Tensor, allocate=None, fixed_capacity: bool = False):
+        self._data = storage
+        self._allocate = allocate
+        self.fixed_capacity = fixed_capacity
+        self.length = 0
+        self.ratio = 1  # positions per row (set by the layer cache that made it)
 
     @classmethod
-    def empty(cls, like: torch.Tensor, role: tuple | None = None) -> "DeepseekV41RowBuffer":
-        """A buffer with no rows, for `like`'s batch, width, dtype and device."""
-        return cls(like.new_zeros(like.size(0), 0, like.size(-1)), role)
+    def of_rows(cls, rows: torch.Tensor) -> "DeepseekV41RowBuffer":
+        """A growing buffer holding a copy of `rows` ``[B, n, D]`` (tests, standalone use)."""
+        allocate = lambda shape: _new_state_tensor(shape, rows.dtype, rows.device, 0.0)  # noqa: E731
+        buffer = cls(allocate((rows.size(0), _capacity(rows.size(1)), rows.size(2))), allocate)
+        buffer.write(0, rows)
+        return buffer
 
-    def _storage(self, batch: int, capacity: int, like: torch.Tensor) -> torch.Tensor:
-        role = self.role if capacity else None
-        return cache_buffer(role, (batch, capacity, like.size(2)), like.dtype, like.device, 0.0)
+    @property
+    def capacity(self) -> int:
+        return self._data.size(1)
 
     def _grow(self, end: int) -> None:
-        if end > self._data.size(1):
-            grown = self._storage(self._data.size(0), _capacity(max(end, 2 * self._data.size(1))), self._data)
-            grown[:, : self.length] = self._data[:, : self.length]
-            self._data = grown
+        if end <= self._data.size(1):
+            return
+        if self.fixed_capacity or self._allocate is None:
+            raise DeepseekV41CacheError(
+                f"the cache's rows are full: {end} rows needed, {self._data.size(1)} held (a cache made with "
+                "max_cache_len holds that many positions; make it longer)"
+            )
+        grown = self._allocate((self._data.size(0), _capacity(max(end, 2 * self._data.size(1))), self._data.size(2)))
+        grown[:, : self.length] = self._data[:, : self.length]
+        self._data = grown
 
     def write(self, start: int, rows: torch.Tensor) -> None:
         if start != self.length:
@@ -122,30 +153,33 @@ class DeepseekV41RowBuffer:
             self._data[row, count:] = 0
 
     def reserve(self, capacity: int) -> None:
-        """Make room for `capacity` rows (the storage moves only when it grows)."""
+        """Make room for `capacity` rows (a growing buffer moves when it grows).
+
+        Raises:
+            DeepseekV41CacheError: a static buffer holding fewer rows.
+        """
         self._grow(capacity)
 
-    def storage(self, n: int) -> torch.Tensor:
-        """The first `n` rows of the storage, written or not (``n <= capacity``; a decode step
-        captured in a CUDA graph reads a fixed width and masks the rows past `length`)."""
-        if n > self._data.size(1):
+    def storage(self, n: int | None = None) -> torch.Tensor:
+        """The first `n` rows of the storage (all of it by default), written or not: a decode step
+        reads a fixed width and masks the rows past each batch row's visible ones."""
+        if n is not None and n > self._data.size(1):
             raise DeepseekV41AttentionError(f"asked for {n} storage rows, the capacity is {self._data.size(1)}")
-        return self._data[:, :n]
+        return self._data if n is None else self._data[:, :n]
 
-    def write_at(self, index: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write `rows` ``[B, n, D]`` at the storage rows `index` (int64 ``[n]``, on the device):
-        no host synchronisation, so a CUDA graph may capture it. `length` is left to the caller,
-        who knows the step's position on the host."""
-        self._data.index_copy_(1, index, rows.to(self._data.dtype))
+    def write_rows_at(self, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write ``rows[b, 0]`` at the storage row ``index[b]`` of every batch row b (int64 ``[B]``
+        on the device; rows ``[B, 1, D]``): no host synchronisation, a captured step may hold it.
+        `length` is the caller's to advance (it knows the step's positions on the host)."""
+        target = index.view(-1, 1, 1).expand(-1, 1, self._data.size(2))
+        self._data.scatter_(1, target, rows.to(self._data.dtype))
 
-    def select_rows(self, index: torch.Tensor) -> None:
+    def select_rows(self, index: torch.Tensor) -> bool:
         """Keep (and reorder) the batch rows `index` (int ``[n]``) of the storage (beam search,
-        batch selection); see :func:`select_batch_rows`."""
+        batch selection); see :func:`select_batch_rows`. Returns whether the storage moved."""
+        old = self._data
         self._data = select_batch_rows(self._data, index)
-
-    @property
-    def address(self) -> int:
-        return self._data.data_ptr()
+        return self._data is not old
 
     @property
     def device(self) -> torch.device:
@@ -154,7 +188,10 @@ class DeepseekV41RowBuffer:
 
 @dataclass
 class DeepseekV41LayerAttentionCache:
-    """What one attention layer keeps between forwards (decode).
+    """What one attention layer keeps between forwards (decode). Its tensors are allocated through
+    :meth:`buffer` and :meth:`row_buffer`, which reuse this layer's earlier storage of the same
+    kind and shape (a cache reset and filled again keeps its addresses) and advance the cache's
+    :class:`DeepseekV41StorageEpoch` when they allocate.
 
     Attributes:
         window_kv: bf16 ``[B, W, D]`` ring buffer, position p in slot p % W (fp8-fake-quantized KV).
@@ -162,6 +199,7 @@ class DeepseekV41LayerAttentionCache:
         index_k: kv sources: index keys ``[B, T, index_head_dim]``.
         compressor_kv / compressor_score: ratio>1 kv sources: fp32 ``[B, ratio, D]`` partial group
             (score initialised to -inf), slot = position % ratio.
+        max_cache_len: positions the cache holds when static (row buffers of fixed capacity), else None.
     """
 
     window_kv: torch.Tensor | None = None
@@ -170,16 +208,56 @@ class DeepseekV41LayerAttentionCache:
     compressor_kv: torch.Tensor | None = None
     compressor_score: torch.Tensor | None = None
     layer_id: int | None = None
-
-    def role(self, kind: str) -> tuple | None:
-        """The pool role of this layer's buffer `kind` (None when the layer is unnamed)."""
-        return None if self.layer_id is None else (self.layer_id, kind)
+    epoch: DeepseekV41StorageEpoch = field(default_factory=DeepseekV41StorageEpoch, repr=False)
+    max_cache_len: int | None = None
+    _storage: dict = field(default_factory=dict, repr=False)
 
     def buffer(self, kind: str, shape: tuple[int, ...], like: torch.Tensor, fill: float = 0.0,
                dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A new buffer `kind` of this layer filled with `fill` (`like`'s dtype unless given, its
-        device): pooled on CUDA (`buffer_pool_deepseek_v41_vl.py`)."""
-        return cache_buffer(self.role(kind), shape, dtype or like.dtype, like.device, fill)
+        """This layer's state tensor `kind` filled with `fill` (`like`'s dtype unless given, its
+        device): the storage this layer held for `kind` when it has that shape, else a new one.
+        While autograd records, always a new one (a tensor saved for a backward pass must not be
+        written again)."""
+        dtype = dtype or like.dtype
+        shape = tuple(shape)
+        held = self._storage.get(kind)
+        if held is not None and tuple(held.shape) == shape and held.dtype == dtype and held.device == like.device \
+                and not torch.is_grad_enabled():
+            return held.fill_(fill)
+        tensor = _new_state_tensor(shape, dtype, like.device, fill)
+        if not torch.is_grad_enabled():
+            self._storage[kind] = tensor
+        self.epoch.advance()
+        return tensor
+
+    def row_buffer(self, kind: str, like: torch.Tensor, ratio: int) -> DeepseekV41RowBuffer:
+        """An empty row buffer `kind` (``"compressed_kv"``, ``"index_k"``) for `like`'s batch, width
+        and dtype: of ``ceil(max_cache_len / ratio)`` rows when the cache is static, else growing."""
+        batch, width, dtype = like.size(0), like.size(-1), like.dtype
+        allocate = lambda shape: self.buffer(kind, shape, like, 0.0, dtype)  # noqa: E731
+        if self.max_cache_len is None:
+            buffer = DeepseekV41RowBuffer(allocate((batch, 0, width)), allocate)
+        else:
+            rows = -(-self.max_cache_len // max(ratio, 1))
+            buffer = DeepseekV41RowBuffer(allocate((batch, rows, width)), fixed_capacity=True)
+        buffer.ratio = ratio
+        return buffer
+
+    def regrow_rows(self) -> None:
+        """Move the row buffers to the capacity of the current `max_cache_len`, keeping their rows."""
+        for kind in ("compressed_kv", "index_k"):
+            old = getattr(self, kind)
+            if old is None or not old.fixed_capacity:
+                continue
+            new = self.row_buffer(kind, old.storage(), old.ratio)
+            new.storage(old.capacity).copy_(old.storage())
+            new.length = old.length
+            setattr(self, kind, new)
+
+    def start_window(self, like: torch.Tensor, window: int) -> torch.Tensor:
+        """A zeroed window ring ``[B, window, D]`` for a new sequence of `like`'s batch."""
+        self.window_kv = self.buffer("window_kv", (like.size(0), window, like.size(-1)), like)
+        return self.window_kv
 
     def start_compressor(self, like: torch.Tensor, ratio: int, head_dim: int) -> None:
         """An empty partial group for a new sequence of `like`'s batch: kv zeros, score -inf."""
@@ -188,26 +266,34 @@ class DeepseekV41LayerAttentionCache:
         self.compressor_score = self.buffer("compressor_score", shape, like, -torch.inf, torch.float32)
 
     def park(self, slot, kv: torch.Tensor, score: torch.Tensor) -> None:
-        """Write a step's compressor projections ``[B, 1, D]`` into the partial-group slot `slot`
-        (an int, or an int64 ``[1]`` device tensor: no host synchronisation, graph-safe)."""
+        """Write a step's compressor projections ``[B, 1, D]`` into the partial-group slot `slot`:
+        an int (every batch row), or an int64 ``[B]`` device tensor of each row's slot (no host
+        synchronisation)."""
         if isinstance(slot, torch.Tensor):
-            self.compressor_kv.index_copy_(1, slot, kv)
-            self.compressor_score.index_copy_(1, slot, score)
+            target = slot.view(-1, 1, 1).expand(-1, 1, kv.size(-1))
+            self.compressor_kv.scatter_(1, target, kv)
+            self.compressor_score.scatter_(1, target, score)
         else:
             self.compressor_kv[:, slot] = kv.squeeze(1)
             self.compressor_score[:, slot] = score.squeeze(1)
 
     def reset(self) -> None:
+        """Forget the sequence; the storage is kept for the next one."""
         self.window_kv = self.compressed_kv = self.index_k = self.compressor_kv = self.compressor_score = None
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep (and reorder) the batch rows `index` of every tensor of this layer's state."""
-        self.window_kv = select_batch_rows(self.window_kv, index)
-        self.compressor_kv = select_batch_rows(self.compressor_kv, index)
-        self.compressor_score = select_batch_rows(self.compressor_score, index)
+        moved = False
+        for name in ("window_kv", "compressor_kv", "compressor_score"):
+            old = getattr(self, name)
+            setattr(self, name, select_batch_rows(old, index))
+            moved |= getattr(self, name) is not old
         for buffer in (self.compressed_kv, self.index_k):
             if buffer is not None:
-                buffer.select_rows(index)
+                moved |= buffer.select_rows(index)
+        if moved:
+            self._storage.clear()
+            self.epoch.advance()
 
 
 class DeepseekV41AttentionCache:
@@ -236,20 +322,58 @@ class DeepseekV41AttentionCache:
             ties depending on the width it ranks, so this makes chunks pick what one prefill
             picks. Without it a chunk ranks the positions that exist so far (the same selection
             up to tie choices).
+        host_pads: `pad_offsets` on the host (a list of ints), read once when the padding is set.
+        max_cache_len: positions a static cache holds (fixed row buffers), None for a growing one.
+        epoch: advanced whenever a state tensor is allocated or replaced
+            (:class:`DeepseekV41StorageEpoch`).
+        decode_graphs: captured decode steps of this cache (kept by the decode runner; they
+            address this cache's tensors and die with it).
     """
 
-    def __init__(self):
+    def __init__(self, max_cache_len: int | None = None):
         self.layers: dict[int, DeepseekV41LayerAttentionCache] = {}
         self.seen_tokens = 0  # kept up to date by the owning transformers cache
         self.index_k_publisher: int | None = None
         self.index_k_publisher_rows: torch.Tensor | None = None
-        self.pad_offsets: torch.Tensor | None = None
+        self._pad_offsets: torch.Tensor | None = None
+        self.host_pads: list[int] | None = None
         self.prefill_length: int | None = None
+        self.max_cache_len = max_cache_len
+        self.epoch = DeepseekV41StorageEpoch()
+        self.decode_graphs: dict = {}
+        self._publisher_storage: torch.Tensor | None = None
+
+    @property
+    def pad_offsets(self) -> torch.Tensor | None:
+        return self._pad_offsets
+
+    @pad_offsets.setter
+    def pad_offsets(self, value: torch.Tensor | None) -> None:
+        if value is not self._pad_offsets:
+            # the host copy is read here, once per prefill, never per decode step
+            self.host_pads = None if value is None else [int(p) for p in value.tolist()]
+        self._pad_offsets = value
 
     def layer(self, layer_id: int) -> DeepseekV41LayerAttentionCache:
         if layer_id not in self.layers:
-            self.layers[layer_id] = DeepseekV41LayerAttentionCache(layer_id=layer_id)
+            self.layers[layer_id] = DeepseekV41LayerAttentionCache(
+                layer_id=layer_id, epoch=self.epoch, max_cache_len=self.max_cache_len
+            )
         return self.layers[layer_id]
+
+    def publisher_rows(self, batch: int, device: torch.device) -> torch.Tensor:
+        """A device tensor int64 ``[batch]`` holding each batch row's index-key publisher now
+        (-1: none), kept at one address for the decode step to update in place."""
+        held = self._publisher_storage
+        if held is None or held.numel() != batch or held.device != torch.device(device):
+            held = self._publisher_storage = _new_state_tensor((batch,), torch.int64, device, -1)
+            self.epoch.advance()
+        rows = self.index_k_publisher_rows
+        if rows is None:
+            held.fill_(-1 if self.index_k_publisher is None else self.index_k_publisher)
+        elif rows is not held:
+            held.copy_(rows)
+        return held
 
     def publish_index_keys(self, layer_id: int, rows: torch.Tensor | None = None) -> None:
         """Record that `layer_id` published index keys, for all batch rows or those where `rows`
@@ -309,8 +433,7 @@ class DeepseekV41CacheLayer(CacheLayerMixin):
         super().__init__()
         self.state = state
         # weak: a strong one would make a cycle with the cache's `layers`, which only the cyclic
-        # garbage collector frees; reference counting must free a dead cache at once, so that
-        # the next cache gets its pooled buffers (and their decode graphs) back
+        # garbage collector frees; reference counting frees a dead cache (and its GPU state) at once
         self._owner = weakref.ref(owner)
 
     @property
@@ -342,7 +465,9 @@ class DeepseekV41CacheLayer(CacheLayerMixin):
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
-        return -1
+        owner = self._owner()
+        limit = None if owner is None else owner.max_cache_len
+        return -1 if limit is None else limit
 
     def reset(self) -> None:
         self.state.reset()
@@ -369,6 +494,12 @@ class DeepseekV41Cache(Cache):
             last ``window + N`` positions per layer and a small state per forward (see
             `crop_deepseek_v41_vl.py`), so that a crop back to the end of any forward within the
             last N positions is exact.
+        max_cache_len: positions the cache holds, or None (the default) for a cache that grows.
+            With it every state tensor is allocated at its full size by the prefill and never
+            moves (transformers' `StaticCache` semantics): a captured decode step of the whole
+            model replays on it from the first step to the last, and after :meth:`reset` the
+            next sequence reuses the same storage (`generate` keeps such a cache on the model).
+            A forward past it makes the cache longer (:meth:`make_room`).
 
     Attributes:
         attention: :class:`DeepseekV41AttentionCache` handed to the attention modules.
@@ -378,15 +509,21 @@ class DeepseekV41Cache(Cache):
         crop_history: :class:`DeepseekV41CropHistory` with ``max_crop > 0``, else None.
 
     Raises:
-        DeepseekV41CacheError: `max_crop` that is not an int >= 0.
+        DeepseekV41CacheError: `max_crop` that is not an int >= 0, `max_cache_len` that is not
+            None or an int >= 1.
     """
 
-    def __init__(self, config, max_crop: int = 0):
+    def __init__(self, config, max_crop: int = 0, max_cache_len: int | None = None):
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         if isinstance(max_crop, bool) or not isinstance(max_crop, int) or max_crop < 0:
             raise DeepseekV41CacheError(f"max_crop must be an int >= 0 (positions a crop may go back), got {max_crop!r}")
-        self.attention = DeepseekV41AttentionCache()
-        self.engram_history: torch.Tensor | None = None
+        if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
+                                          or max_cache_len < 1):
+            raise DeepseekV41CacheError(f"max_cache_len must be None or an int >= 1 (positions held), got {max_cache_len!r}")
+        self.max_cache_len = max_cache_len
+        self.attention = DeepseekV41AttentionCache(max_cache_len)
+        self._engram_history: torch.Tensor | None = None
+        self._engram_storage: torch.Tensor | None = None
         self.image_counts: torch.Tensor | None = None
         self._seen_tokens = 0
         self.crop_history = DeepseekV41CropHistory(max_crop, text.compress_ratio) if max_crop else None
@@ -396,6 +533,60 @@ class DeepseekV41Cache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Positions already processed (the next token's absolute position)."""
         return self._seen_tokens
+
+    @property
+    def batch_size(self) -> int:
+        """The batch rows the cache holds (-1 before a prefill, as transformers' caches)."""
+        for state in self.attention.layers.values():
+            if state.window_kv is not None:
+                return state.window_kv.size(0)
+        return -1 if self._engram_history is None else self._engram_history.size(0)
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        """`max_cache_len`, or -1 for a growing cache (transformers' convention)."""
+        return -1 if self.max_cache_len is None else self.max_cache_len
+
+    def grow_to(self, max_cache_len: int) -> None:
+        """Make a static cache hold at least `max_cache_len` positions (its row buffers move, with
+        their rows; a growing cache is left as it is)."""
+        if self.max_cache_len is None or max_cache_len <= self.max_cache_len:
+            return
+        self.max_cache_len = self.attention.max_cache_len = max_cache_len
+        for state in self.attention.layers.values():
+            state.max_cache_len = max_cache_len
+            state.regrow_rows()
+
+    def make_room(self, n: int) -> None:
+        """Before a forward of `n` tokens: a static cache without room for them grows (to twice
+        its length, or what they need if more; its row buffers move once, and a captured step
+        is captured again). A growing cache needs nothing."""
+        needed = self._seen_tokens + n
+        if self.max_cache_len is not None and needed > self.max_cache_len:
+            self.grow_to(max(needed, 2 * self.max_cache_len))
+
+    @property
+    def engram_history(self) -> torch.Tensor | None:
+        """int64 ``[B, max_ngram_size - 1]``, the last compressed ids of each row (None before a
+        prefill). Assigning writes into the held tensor when the shape agrees, so that a captured
+        decode step keeps addressing it."""
+        return self._engram_history
+
+    @engram_history.setter
+    def engram_history(self, value: torch.Tensor | None) -> None:
+        if value is None:
+            self._engram_history = None  # the storage is kept for the next sequence
+            return
+        held = self._engram_storage
+        if held is None or held.shape != value.shape or held.device != value.device or held.dtype != value.dtype \
+                or torch.is_grad_enabled():
+            with torch.inference_mode(False):
+                held = value.clone()
+            if not torch.is_grad_enabled():
+                self._engram_storage = held
+            self.attention.epoch.advance()
+        elif value is not held:
+            held.copy_(value)
+        self._engram_history = held
 
     def record_tokens(self, n: int, took_images: bool = False) -> None:
         """Advance the position after a forward of `n` tokens (called by the model, last, once the
@@ -517,6 +708,7 @@ class DeepseekV41Cache(Cache):
         # a cache filled under inference_mode holds inference tensors, writable only inside it
         with torch.inference_mode(any(t.is_inference() for t in tensors)), torch.no_grad():
             history.restore(self, target)
+        self.attention.epoch.advance()  # the restore may have replaced state tensors
         self._seen_tokens = target
         self.attention.seen_tokens = target
 

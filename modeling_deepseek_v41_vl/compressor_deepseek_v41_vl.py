@@ -46,21 +46,15 @@ class DeepseekV41Latents:
     valid: torch.Tensor | None = None
     first: int | None = None
 
-    def store(
-        self, buffer: DeepseekV41RowBuffer | None, rows: torch.Tensor, fresh: bool, role: tuple | None = None
-    ) -> DeepseekV41RowBuffer:
-        """Write `rows` (``[B, n, .]``, one per latent) into `buffer` (a new one, pooled as `role`,
-        when `fresh`)."""
-        if self.valid is None:
-            if fresh or buffer is None:
-                if self.first == 0:
-                    return DeepseekV41RowBuffer(rows, role)
-                buffer = DeepseekV41RowBuffer.empty(rows, role)
-            buffer.write(self.first, rows)
-            return buffer
+    def store(self, buffer: DeepseekV41RowBuffer | None, rows: torch.Tensor, fresh: bool, make) -> DeepseekV41RowBuffer:
+        """Write `rows` (``[B, n, .]``, one per latent) into `buffer`, or into a new empty one,
+        ``make(rows)``, when `fresh` (a prefill) or there is none yet."""
         if fresh or buffer is None:
-            buffer = DeepseekV41RowBuffer.empty(rows, role)
-        buffer.scatter(self.groups, rows, self.valid)
+            buffer = make(rows)
+        if self.valid is None:
+            buffer.write(self.first, rows)
+        else:
+            buffer.scatter(self.groups, rows, self.valid)
         return buffer
 
 
@@ -86,32 +80,22 @@ class DeepseekV41LatentCompressor(nn.Module):
         start_pos: int,
         cache: DeepseekV41LayerAttentionCache,
         pad_offsets: torch.Tensor | None = None,
-        latent: torch.Tensor | None = None,
     ) -> DeepseekV41Latents:
-        """x bf16 ``[B, S, dim]`` at padded columns start_pos.. -> one latent per token (`latent`:
-        a one-token step's, computed earlier by :meth:`decode_project`). `cache` is unused (the
-        signature is the pooling compressor's)."""
+        """x bf16 ``[B, S, dim]`` at padded columns start_pos.. -> one latent per token. `cache` is
+        unused (the signature is the pooling compressor's)."""
         seqlen = x.size(1)
-        if latent is None:
-            latent = self.norm(self.wkv(x))
+        latent = self.norm(self.wkv(x))
         pos = torch.arange(start_pos, start_pos + seqlen, device=x.device)
         if pad_offsets is None:
             return DeepseekV41Latents(latent, pos, first=start_pos)
         pos = pos - pad_offsets.to(device=x.device, dtype=torch.int64).unsqueeze(1)
         return DeepseekV41Latents(latent, pos.clamp_min(0), valid=pos >= 0)
 
-    def emits_latent(self, start_pos: int) -> bool:
-        """Whether a one-token step at `start_pos` completes a latent: always."""
-        return True
-
-    def decode_project(self, x: torch.Tensor, freqs: torch.Tensor, *group_inputs) -> tuple:
-        """A one-token step's projections of `x` ``[B, 1, dim]``: ``(None, None, latent, freqs)``,
-        the latent normalized and pre-RoPE, at the token's own RoPE table `freqs`."""
-        return None, None, self.norm(self.wkv(x)), freqs
-
-    def park_step(self, cache, pos, kv, score, ends_group: bool, dtype) -> None:
-        """Nothing is parked at ratio 1 (the step's latent came from :meth:`decode_project`)."""
-        return None
+    def decode_latent(self, x: torch.Tensor, freqs: torch.Tensor, cache, positions: torch.Tensor, rotary) -> tuple:
+        """A decode step's latent (normalized, pre-RoPE) ``[B, 1, D]`` and its RoPE table: the
+        token's own (`freqs`). `cache`, `positions` and `rotary` are unused (the signature is the
+        pooling compressor's)."""
+        return self.norm(self.wkv(x)), freqs
 
 
 class DeepseekV41PoolingCompressor(nn.Module):
@@ -139,12 +123,8 @@ class DeepseekV41PoolingCompressor(nn.Module):
         start_pos: int,
         cache: DeepseekV41LayerAttentionCache,
         pad_offsets: torch.Tensor | None = None,
-        latent: torch.Tensor | None = None,
-        kv_score: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> DeepseekV41Latents | None:
         """x bf16 ``[B, S, dim]`` at padded columns start_pos.. -> the latents it completes, or None.
-        `kv_score` / `latent`: a one-token step's projections and the latent it completes, computed
-        earlier by :meth:`decode_project` (the same values).
 
         Raises:
             DeepseekV41AttentionError: a forward after position 0 before any prefill.
@@ -162,8 +142,22 @@ class DeepseekV41PoolingCompressor(nn.Module):
         if start_pos == 0:
             cache.start_compressor(x, ratio, self.wkv.out_features)  # a new sequence (left-padded prefill)
         if seqlen == 1 and pad_offsets is None:
-            return self._step(x, start_pos, cache, kv_score, latent)
-        return self._continue(x, start_pos, cache, pad_offsets, kv_score)
+            return self._step(x, start_pos, cache)
+        return self._continue(x, start_pos, cache, pad_offsets)
+
+    def decode_latent(
+        self, x: torch.Tensor, freqs: torch.Tensor, cache: DeepseekV41LayerAttentionCache, positions: torch.Tensor, rotary
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graph-safe compressor update of a decode step (`DeepseekV41Attention.decode_step`):
+        park the step's projections of `x` ``[B, 1, dim]`` in each row's slot ``position % ratio``
+        (`positions` int64 ``[B]``), then pool the parked group. Returns the latent (normalized,
+        pre-RoPE) ``[B, 1, D]`` and the RoPE table of its group's first position: the group's
+        latent on a row whose group ends here (the reference's `Compressor` decode pooling), a
+        value nobody reads on the others (its row is not visible until the group ends)."""
+        kv, score = self.project_step(x)
+        cache.park(positions % self.ratio, kv, score)
+        first = (positions + 1 - self.ratio).clamp_min(0).view(-1, 1)
+        return self.pool_parked(cache, x.dtype), rotary(first)
 
     def emits_latent(self, start_pos: int) -> bool:
         """Whether a one-token step at `start_pos` (no padding) completes a group."""
@@ -174,58 +168,20 @@ class DeepseekV41PoolingCompressor(nn.Module):
         xf = x.float()
         return self.wkv(xf), self.wgate(xf)
 
-    def decode_project(
-        self,
-        x: torch.Tensor,
-        freqs: torch.Tensor,
-        parked_kv: torch.Tensor | None = None,
-        parked_score: torch.Tensor | None = None,
-        group_freqs: torch.Tensor | None = None,
-    ) -> tuple:
-        """A one-token step's projections of `x` ``[B, 1, dim]``: ``(kv, score, latent,
-        latent_freqs)``; `latent` (normalized, pre-RoPE, at the group's first position
-        `group_freqs`) only when the parked slots are given (a step that ends a group), else
-        None."""
-        kv, score = self.project_step(x)
-        if parked_kv is None:
-            return kv, score, None, None
-        return kv, score, self.pool_last(parked_kv, parked_score, kv, score, x.dtype), group_freqs
-
-    def park_step(self, cache: DeepseekV41LayerAttentionCache, pos: torch.Tensor, kv, score, ends_group: bool, dtype):
-        """The graph-safe slot update of a one-token step at the device position `pos` (int64
-        ``[1]``): park `kv` / `score`, and when the step `ends_group` return the group's latent
-        (normalized ``[B, 1, D]``, pre-RoPE), else None."""
-        cache.park(pos % self.ratio, kv, score)
-        return self.pool_parked(cache, dtype) if ends_group else None
-
-    def pool_last(self, parked_kv: torch.Tensor, parked_score: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, dtype):
-        """The latent of a group ended by a step's `kv`/`score` ``[B, 1, D]`` after the parked slots
-        ``[B, ratio, D]`` (the last one is the step's own and ignored): normalized ``[B, 1, D]``,
-        the same operations as :meth:`_step`."""
-        group_kv = torch.cat([parked_kv[:, : self.ratio - 1], kv], dim=1)
-        group_score = torch.cat([parked_score[:, : self.ratio - 1], score], dim=1)
-        pooled = (group_kv * group_score.softmax(dim=1)).sum(dim=1, keepdim=True)
-        return self.norm(pooled.to(dtype))
-
     def pool_parked(self, cache: DeepseekV41LayerAttentionCache, dtype) -> torch.Tensor:
         """The latent of the group held in the parked slots (all `ratio` written): normalized
         ``[B, 1, D]`` in `dtype`, the reference's `Compressor` decode pooling."""
         pooled = (cache.compressor_kv * cache.compressor_score.softmax(dim=1)).sum(dim=1, keepdim=True)
         return self.norm(pooled.to(dtype))
 
-    def _step(
-        self, x: torch.Tensor, start_pos: int, cache: DeepseekV41LayerAttentionCache, kv_score=None, latent=None
-    ) -> DeepseekV41Latents | None:
-        """One decode token (no padding): the reference's slot update, a latent when the group ends
-        (`latent`: that latent, already pooled by :meth:`pool_last`)."""
+    def _step(self, x: torch.Tensor, start_pos: int, cache: DeepseekV41LayerAttentionCache) -> DeepseekV41Latents | None:
+        """One decode token (no padding): the reference's slot update, a latent when the group ends."""
         ratio = self.ratio
-        kv, score = kv_score if kv_score is not None else self.project_step(x)
-        slot = start_pos % ratio
-        cache.park(slot, kv, score)
+        kv, score = self.project_step(x)
+        cache.park(start_pos % ratio, kv, score)
         if not self.emits_latent(start_pos):
             return None
-        if latent is None:
-            latent = self.pool_parked(cache, x.dtype)
+        latent = self.pool_parked(cache, x.dtype)
         group = start_pos // ratio
         return DeepseekV41Latents(latent, torch.arange(group, group + 1, device=x.device), first=group)
 
@@ -248,7 +204,6 @@ class DeepseekV41PoolingCompressor(nn.Module):
         start_pos: int,
         cache: DeepseekV41LayerAttentionCache,
         pad_offsets: torch.Tensor | None,
-        kv_score: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> DeepseekV41Latents | None:
         """Any forward but a plain prefill or decode step: a prefill chunk after position 0, or a
         left-padded batch (prefill or step).
@@ -261,7 +216,7 @@ class DeepseekV41PoolingCompressor(nn.Module):
         ratio, dtype = self.ratio, x.dtype
         bsz, seqlen, _ = x.shape
         device = x.device
-        kv, score = kv_score if kv_score is not None else self._project(x)
+        kv, score = self._project(x)
         pads = (
             torch.zeros(bsz, dtype=torch.int64, device=device)
             if pad_offsets is None

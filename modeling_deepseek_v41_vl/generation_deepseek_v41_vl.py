@@ -46,7 +46,13 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         if prompt is None:
             prompt = kwargs.get("input_ids")
         _check_continuation(prompt, kwargs.get("attention_mask"), kwargs.get("cache", kwargs.get("past_key_values")))
-        output = super().generate(*args, **kwargs)
+        # the loop's one-token steps come from its own sampling (ids in the vocabulary, never the
+        # suppressed image token, the mask extended by one): the model checks them here, not per step
+        trusted, self.model.trusted_steps = self.model.trusted_steps, True
+        try:
+            output = super().generate(*args, **kwargs)
+        finally:
+            self.model.trusted_steps = trusted
         user = kwargs.get("generation_config")
         eos = kwargs.get("eos_token_id", getattr(user, "eos_token_id", None))
         if eos is None:
@@ -54,17 +60,37 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         _warn_if_reasoning_cut(self.generation_config, eos, prompt, output)
         return output
 
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs) -> None:
-        """A :class:`DeepseekV41Cache` for the batch (the model has no key/value cache to share)."""
-        if model_kwargs.get("cache") is not None:
-            model_kwargs["cache"]._is_user_defined = True
-            return
-        if model_kwargs.get("past_key_values") is not None:
-            model_kwargs["cache"] = model_kwargs.pop("past_key_values")
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs: dict, generation_mode=None, batch_size=None, max_cache_length=None, *args, **kwargs
+    ) -> None:
+        """The :class:`DeepseekV41Cache` of this generation (the model has no key/value cache to share).
+
+        By default a static cache of `max_cache_length` positions (prompt + new tokens), kept on
+        the model and reused, reset, by the next call that needs the same length, as transformers
+        keeps a `StaticCache`: its storage, and the captured decode step that addresses it, then
+        serve that call too. ``cache_implementation="dynamic"`` makes a growing cache instead. A
+        cache the caller passes is used as given; a static one too short for this call is made
+        longer (its storage moves once).
+        """
+        given = model_kwargs.get("cache")
+        if given is None and model_kwargs.get("past_key_values") is not None:
+            given = model_kwargs["cache"] = model_kwargs.pop("past_key_values")
+        if given is not None:
+            given._is_user_defined = True
+            if isinstance(given, DeepseekV41Cache) and max_cache_length is not None:
+                given.grow_to(max_cache_length)
             return
         if generation_config.use_cache is False:
             return
-        model_kwargs["cache"] = DeepseekV41Cache(self.config)
+        if max_cache_length is None or generation_config.cache_implementation == "dynamic":
+            model_kwargs["cache"] = DeepseekV41Cache(self.config)
+            return
+        kept = self.__dict__.get("_kept_cache")
+        if kept is None or kept.max_cache_len != max_cache_length:
+            kept = self.__dict__["_kept_cache"] = DeepseekV41Cache(self.config, max_cache_len=max_cache_length)
+        else:
+            kept.reset()
+        model_kwargs["cache"] = kept
 
     def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False, input_ids=None, **kwargs):
         # pixel_values / image_grid_thw are per image, not per batch row: each row's images are

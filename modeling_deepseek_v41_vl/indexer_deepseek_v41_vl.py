@@ -146,7 +146,9 @@ class DeepseekV41Indexer(nn.Module):
         if k is None:
             k = self.index_keys_of(latents.values, latent_freqs)
         layer_cache = state.cache.layer(self.layer_id)
-        layer_cache.index_k = latents.store(layer_cache.index_k, k, fresh=state.start_pos == 0, role=layer_cache.role("index_k"))
+        # index keys are kept at the width of a ratio-1 reader: any index source may read them
+        make = lambda like: layer_cache.row_buffer("index_k", like, 1)  # noqa: E731
+        layer_cache.index_k = latents.store(layer_cache.index_k, k, fresh=state.start_pos == 0, make=make)
         state.cache.publish_index_keys(self.layer_id, None if latents.valid is None else latents.valid.any(dim=1))
 
     def forward(
@@ -223,7 +225,7 @@ class DeepseekV41Indexer(nn.Module):
         Args:
             q, weights: :meth:`queries` of the step, ``[B, 1, IH, Id]`` and ``[B, 1, IH]``.
             keys: ``[B, W, Id]`` index keys; rows from `visible` on are masked (-inf).
-            visible: int64 ``[1]``, the compressed positions the query sees.
+            visible: int64 ``[B, 1, 1]`` (or ``[1]``), the compressed positions each row's query sees.
             offset: added to the kept positions (the window rows before the compressed KV).
             candidate_blocks: candidate users: the candidate source's kept block ids ``[B, 1, kb]``.
 

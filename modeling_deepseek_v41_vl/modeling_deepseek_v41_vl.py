@@ -54,7 +54,7 @@ from .attention_state_deepseek_v41_vl import (
 )
 from .cache_deepseek_v41_vl import DeepseekV41AttentionCache, DeepseekV41Cache
 from .configuration_deepseek_v41_vl import DeepseekV41Config
-from .cuda_graphs_deepseek_v41_vl import decode_layers
+from .decode_step_deepseek_v41_vl import DeepseekV41DecodeRunner, check_step_inputs
 from .decoder_layer_deepseek_v41_vl import DeepseekV41DecoderLayer
 from .engram_deepseek_v41_vl import DeepseekV41Engram, DeepseekV41EngramHash
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
@@ -68,15 +68,6 @@ from .moe_deepseek_v41_vl import DeepseekV41Gate
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, apply_numerics
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
 from .vision_deepseek_v41_vl import DeepseekV41VisionAligner, DeepseekV41VisionTransformer
-
-
-def _holds_inference_tensors(cache: DeepseekV41Cache) -> bool:
-    """Whether the attention state of `cache` was made under `torch.inference_mode()` (its first
-    layer's window ring tells: every layer's state is made in the same forward)."""
-    for layer in cache.attention.layers.values():
-        if layer.window_kv is not None:
-            return layer.window_kv.is_inference()
-    return False
 
 
 def _fp32_parameter_names(module: nn.Module) -> list[str]:
@@ -132,7 +123,6 @@ class DeepseekV41Transformer(nn.Module):
         self.head = DeepseekV41Head(text.vocab_size, dim)
         self.hc = DeepseekV41HyperConnection(text.hc_mult, text.hc_sinkhorn_iters, text.hc_eps, text.rms_norm_eps, numerics)
         self.engram_hash = DeepseekV41EngramHash(text) if text.engram_layer_ids else None
-        self.decode_layer_runs = False
         self.vision_enabled = config.vision_config.num_hidden_layers > 0
         if self.vision_enabled:
             with default_dtype(torch.bfloat16):
@@ -141,25 +131,18 @@ class DeepseekV41Transformer(nn.Module):
             for name in ("image_start", "image_end", "image_newline"):
                 self.register_parameter(name, nn.Parameter(torch.empty(dim, dtype=torch.bfloat16)))
 
-    @property
-    def decode_layer_runs(self) -> bool:
-        """Whether one-token decode steps replay each run of layers on a GPU as one CUDA graph
-        (:func:`decode_layers`) instead of one graph per layer. Default False: a run's layers are
-        all planned on the host before its graph starts, while per-layer graphs let the host plan
-        a layer while the GPU runs the one before; on an H200 the per-layer graphs were faster
-        (host work ~0.1-0.2 ms per layer against ~0.6 ms of GPU time: BENCHMARKS.md). Runs pay
-        where the host is the slower side. Both give the same values, bit for bit.
+        self.compress_ratios = tuple(sorted({r for r in text.compress_ratios[: text.num_hidden_layers] if r}))
+        # the layers whose index keys an index source may read (`DeepseekV41DecodeStep.published_keys`)
+        self.index_key_owners = tuple(
+            layer.layer_idx for layer in self.layers if layer.attn.indexer is not None and layer.attn.indexer.owns_k
+        )
+        self.weights_epoch = 0
+        self.decode_runner = DeepseekV41DecodeRunner()
 
-        Raises (on assignment):
-            DeepseekV41ModelError: a value that is not a bool.
-        """
-        return self._decode_layer_runs
-
-    @decode_layer_runs.setter
-    def decode_layer_runs(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise DeepseekV41ModelError(f"decode_layer_runs must be True or False, got {value!r}")
-        self._decode_layer_runs = value
+    def _apply(self, fn, *args, **kwargs):
+        # `.to()`, `.cuda()`, casts move the weights: captured decode steps read the old addresses
+        self.weights_epoch += 1
+        return super()._apply(fn, *args, **kwargs)
 
     def set_numerics(self, numerics: str | None = None, **backends: str) -> DeepseekV41Numerics:
         """Make a new numerics plan and hand it to every module at once; `text_config.numerics`
@@ -299,8 +282,7 @@ class DeepseekV41Transformer(nn.Module):
 
         Raises:
             DeepseekV41ModelError: `input_ids` that are not integer ids in ``[0, vocab_size)`` or
-                hold no token; a step outside `torch.inference_mode()` on a cache filled inside
-                it; images without span marks, spans that do not fit the images or hold other
+                hold no token; images without span marks, spans that do not fit the images or hold other
                 ids than `image_token_id`, `image_span_embeds` rows that do not match the marked
                 positions.
             DeepseekV41AttentionError: a forward after position 0 on a cache without a prefill,
@@ -314,20 +296,20 @@ class DeepseekV41Transformer(nn.Module):
             raise DeepseekV41ModelError(f"input_ids must be integer token ids, got {input_ids.dtype}")
         if input_ids.numel() == 0:
             raise DeepseekV41ModelError(f"input_ids holds no token: shape {tuple(input_ids.shape)}")
+        self._follow_config_numerics()
+        if pixel_values is None and image_span_embeds is None \
+                and self.decode_runner.applies(self, cache, input_ids, output_hidden_states):
+            # `generate`'s own steps were checked at its entry and at the prefill: nothing to read back
+            check_step_inputs(self, input_ids, mm_token_type_ids, attention_mask, cache, read_back=not self.trusted_steps)
+            logits, hidden = self.decode_runner.step(self, input_ids, cache)
+            return DeepseekV41TransformerOutput(logits=logits, cache=cache, last_hidden_state=hidden)
         vocab = self.text_config.vocab_size
         if bool(((input_ids < 0) | (input_ids >= vocab)).any()):
             raise DeepseekV41ModelError(
                 f"input_ids must lie in [0, {vocab}) (vocab_size); got values from {int(input_ids.min())} to {int(input_ids.max())}"
             )
         start_pos = cache.get_seq_length() if cache is not None else 0
-        if start_pos > 0 and not torch.is_inference_mode_enabled() and _holds_inference_tensors(cache):
-            raise DeepseekV41ModelError(
-                "the cache was filled under torch.inference_mode(), whose tensors cannot be updated "
-                "outside it: continue this sequence under torch.inference_mode() too (or fill it "
-                "under torch.no_grad())"
-            )
 
-        self._follow_config_numerics()
         if pixel_values is not None and image_span_embeds is not None:
             raise DeepseekV41ModelError("pass pixel_values or image_span_embeds, not both")
         image_mask, span_rows = self._image_positions(input_ids, mm_token_type_ids, pixel_values, image_grid_thw, image_span_embeds)
@@ -343,6 +325,8 @@ class DeepseekV41Transformer(nn.Module):
             else left_padding_offsets(attention_mask, start_pos, input_ids.size(1))
         )
 
+        if cache is not None:
+            cache.make_room(input_ids.size(1))
         hash_ids = None
         if self.engram_hash is not None:
             history = cache.engram_history if cache is not None else None
@@ -364,13 +348,10 @@ class DeepseekV41Transformer(nn.Module):
         attention_cache = cache.attention if cache is not None else DeepseekV41AttentionCache()
         state = DeepseekV41AttentionState(start_pos=start_pos, cache=attention_cache, pad_offsets=pad_offsets)
         collected = [h] if output_hidden_states else None
-        if input_ids.size(1) == 1 and start_pos > 0 and self.decode_layer_runs and collected is None:
-            x, pre_mix = decode_layers(self.layers, x, pre_mix, state, image_mask, hash_ids, engram_mask)
-        else:
-            for index, layer in enumerate(self.layers):
-                x, pre_mix = layer(x, pre_mix, state, image_mask, hash_ids, engram_mask)
-                if collected is not None and index < len(self.layers) - 1:
-                    collected.append(self.hc.pre(x, pre_mix))
+        for index, layer in enumerate(self.layers):
+            x, pre_mix = layer(x, pre_mix, state, image_mask, hash_ids, engram_mask)
+            if collected is not None and index < len(self.layers) - 1:
+                collected.append(self.hc.pre(x, pre_mix))
         hidden = self.norm(self.hc.pre(x, pre_mix))
         if collected is not None:
             collected.append(hidden)
@@ -390,6 +371,9 @@ class DeepseekV41Transformer(nn.Module):
             logits=logits, cache=cache, last_hidden_state=hidden,
             hidden_states=None if collected is None else tuple(collected),
         )
+
+    # set while `generate` runs its own loop: its one-token steps were checked at its entry
+    trusted_steps = False
 
     def _image_positions(self, input_ids, mm_token_type_ids, pixel_values, image_grid_thw, image_span_embeds):
         """The image-span mask ``[B, S]`` (None without `mm_token_type_ids`) and the rows to
@@ -597,7 +581,8 @@ class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
             # so padding after a row's last token never reaches it: a right-padded training batch
             # runs as if unpadded (a cache would record the pads)
             attention_mask = None
-        if cache is not None and cache.get_seq_length() > 0:  # decode, or a conversation's next turn
+        engine_step = self.model.trusted_steps and input_ids.size(1) == 1 and pixel_values is None
+        if cache is not None and cache.get_seq_length() > 0 and not engine_step:  # a conversation's next turn
             mm_token_type_ids, pixel_values, image_grid_thw = continuation_images(
                 self.model, input_ids, mm_token_type_ids, pixel_values, image_grid_thw, cache
             )

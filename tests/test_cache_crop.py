@@ -166,7 +166,7 @@ def test_each_restored_part_is_needed(tiny_model, monkeypatch, part):
         elif part == "compressed rows":
             kept = [(b, b.length) for s in layers for b in (s.compressed_kv, s.index_k) if b is not None]
         else:
-            kept = cache.engram_history
+            kept = cache.engram_history.clone()  # the detour's history (the storage is written in place)
         restore(self, cache, target)
         if part == "engram":
             cache.engram_history = kept

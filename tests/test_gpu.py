@@ -245,64 +245,79 @@ def test_golden_decode_on_gpu(golden, variant, run):
     assert sum(agree) / steps >= 0.8, agree
 
 
-@pytest.mark.parametrize("runs", [False, True], ids=["graph-per-layer", "runs-of-layers"])
+@pytest.mark.parametrize("padded", [False, True], ids=["one-row", "left-padded"])
+@pytest.mark.parametrize("static", [True, False], ids=["static-cache", "growing-cache"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_decode_cuda_graphs_equal_eager_steps(golden, variant, runs):
-    """The decode steps replayed from CUDA graphs (`DeepseekV41DecoderLayer.decode_step`, or with
-    `decode_layer_runs` one graph per run of layers, `decode_layers`) give the logits of the same
-    steps run eagerly, and leave the same cache (16 steps, several layers of each kind, the graphs
-    captured at the first step and replayed after)."""
+def test_decode_cuda_graphs_equal_eager_steps(golden, variant, static, padded):
+    """The whole model's decode step replayed from one CUDA graph gives, bit for bit, the logits
+    and the cache of the same step run eagerly (16 greedy steps after the VL prompt, or a
+    left-padded two-row batch of it); the graph is captured once per cache storage and width
+    (a growing cache: again when its buffers cross a bucket)."""
     from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
 
     model = golden_model(golden, variant, "fast", CUDA)
     tensors = golden_run(golden, variant, "vl", CUDA)
+    inputs = prefill_inputs(golden, variant, "vl", tensors, CUDA)
+    mask = None
+    if padded:  # the golden text prompt, and a row of it with its first 5 tokens as padding
+        text = golden_run(golden, variant, "text", CUDA)
+        ids = prefill_inputs(golden, variant, "text", text, CUDA)["input_ids"][:1]
+        inputs = {"input_ids": torch.cat([ids, torch.cat([torch.zeros_like(ids[:, :5]), ids[:, 5:]], 1)])}
+        mask = torch.ones_like(inputs["input_ids"])
+        mask[1, :5] = 0
+    runner = model.decode_runner
     results = {}
-    model.decode_layer_runs = runs
     for graphs in (False, True):
-        for layer in model.layers:
-            layer.decode_cuda_graphs = graphs
-            layer._decode_segments = None  # count this run's captures only
-        cache = DeepseekV41Cache(model.config)
+        runner.graphs = graphs
+        before = runner.captures
+        cache = DeepseekV41Cache(model.config, max_cache_len=(inputs["input_ids"].size(1) + 16) if static else None)
         logits = []
+        step_mask = mask
         with torch.no_grad():
-            model(**prefill_inputs(golden, variant, "vl", tensors, CUDA), cache=cache)
-            token = tensors["prefill.next_token"].view(-1, 1)
+            token = model(**inputs, cache=cache, attention_mask=step_mask).logits[:, -1:].argmax(-1)
             for _ in range(16):
-                step = model(token, cache=cache).logits[:, -1]
+                if step_mask is not None:
+                    step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], 1)
+                step = model(token, cache=cache, attention_mask=step_mask).logits[:, -1]
                 logits.append(step)
                 token = step.argmax(-1, keepdim=True)
-        results[graphs] = (torch.stack(logits), cache)
-    model.decode_layer_runs = False
-    for layer in model.layers:
-        layer.decode_cuda_graphs = True
-    # every step replays one graph per layer, or with runs each run of layers between the Engram
-    # layers as one graph (the Engram layers: one graph each), never the piecewise head/tail;
-    # captured per cache layout and replayed after: once, twice where a ratio > 1 source is in
-    # it (steps that end a group write a row), twice that where a buffer crossed a bucket
-    text = model.config.text_config
-    run_segments, alone = {}, {}
-    for layer in model.layers:
-        for name, segment in (layer._decode_segments or {}).items():
-            (run_segments if name[0] == "run" else alone)[name if name[0] == "run" else layer.layer_idx] = (name, segment)
-    # layers with graphs of their own: with runs the Engram layers (they break the runs), else all
-    own_graphs = set(text.engram_layer_ids) if runs else set(range(text.num_hidden_layers))
-    assert own_graphs and set(alone) == own_graphs, sorted(alone)
-    assert all(name == "whole" for name, _ in alone.values())
-    in_runs = sorted(i for ids in run_segments for i in ids[1])
-    assert in_runs == [i for i in range(text.num_hidden_layers) if i not in own_graphs], sorted(run_segments)
-    for ids, (_, segment) in run_segments.items():
-        pooled = any(model.layers[i].attn.ratio > 1 and model.layers[i].attn.compressor is not None for i in ids[1])
-        assert 1 <= len(segment) <= (2 if pooled else 1) * 2, (ids, len(segment))
-    for i in own_graphs:
-        pooled = model.layers[i].attn.ratio > 1 and model.layers[i].attn.compressor is not None
-        assert 1 <= len(alone[i][1]) <= (2 if pooled else 1) * 2, (i, len(alone[i][1]))
+        results[graphs] = (torch.stack(logits), cache, runner.captures - before)
+    runner.graphs = True
     eager, graphed = results[False][0], results[True][0]
-    _METRICS[f"decode_graphs/{variant}/{'runs' if runs else 'per_layer'}"] = {"bitwise": torch.equal(eager, graphed), "rel_l2": rel_l2(graphed, eager)}
-    assert rel_l2(graphed, eager) < 1e-5
-    assert torch.equal(eager.argmax(-1), graphed.argmax(-1))
-    ring_eager = results[False][1].attention.layer(0).window_kv
-    ring_graphed = results[True][1].attention.layer(0).window_kv
-    assert rel_l2(ring_graphed, ring_eager) < 1e-5
+    _METRICS[f"decode_graphs/{variant}/{'static' if static else 'growing'}/{'padded' if padded else 'one-row'}"] = {
+        "bitwise": torch.equal(eager, graphed), "rel_l2": rel_l2(graphed, eager), "captures": results[True][2],
+    }
+    assert results[False][2] == 0 and 1 <= results[True][2] <= (1 if static else 2)
+    assert torch.equal(eager, graphed)
+    for i, state in results[False][1].attention.layers.items():
+        other = results[True][1].attention.layer(i)
+        assert torch.equal(other.window_kv, state.window_kv), i
+        if state.compressed_kv is not None:
+            n = state.compressed_kv.length
+            assert other.compressed_kv.length == n and torch.equal(other.compressed_kv.rows(n), state.compressed_kv.rows(n)), i
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_decode_runner_never_synchronises_with_the_host(golden, variant):
+    """16 steps driven through the model's decode runner (not `generate`, whose own loop reads a
+    flag on the host) under `torch.cuda.set_sync_debug_mode("error")`: no step waits for the GPU."""
+    from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
+
+    model = golden_model(golden, variant, "fast", CUDA)
+    tensors = golden_run(golden, variant, "vl", CUDA)
+    cache = DeepseekV41Cache(model.config, max_cache_len=tensors["input_ids"].size(1) + 17)
+    with torch.no_grad():
+        token = model(**prefill_inputs(golden, variant, "vl", tensors, CUDA), cache=cache).logits[:, -1:].argmax(-1)
+        model.decode_runner.step(model, token, cache)  # capture (Triton compiles, autotunes) outside the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(16):
+                logits, _ = model.decode_runner.step(model, token, cache)
+                token = logits[:, -1].argmax(-1, keepdim=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert cache.get_seq_length() == tensors["input_ids"].size(1) + 17
 
 
 # --------------------------------------------------------------------------------------------
@@ -410,10 +425,9 @@ def hf_all_gpu_run(golden: Path, folder: Path) -> dict:
 
 
 def test_generate_after_a_decode_loop_under_inference_mode(golden, converted_tiny_fp8):
-    """A manual decode loop under `torch.inference_mode()` captures decode graphs; `generate`
-    (under no_grad) then replays them. A one-token prompt makes the first steps take the piecewise
-    head and tail graphs, which are keyed by shape only and so shared across caches: their input
-    buffers must not be inference tensors (it failed with "Inplace update to inference tensor
+    """A manual decode loop under `torch.inference_mode()` captures a decode step; `generate`
+    (under no_grad) then captures and replays its own: the graphs' input buffers and the cache's
+    state are ordinary tensors (an inference tensor refuses "Inplace update to inference tensor
     outside InferenceMode")."""
     from transformers import AutoModelForImageTextToText
 
@@ -426,27 +440,23 @@ def test_generate_after_a_decode_loop_under_inference_mode(golden, converted_tin
         token = model(**prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
         for _ in range(4):
             token = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-    captured = sum(len(s) for layer in model.model.layers for s in (layer._decode_segments or {}).values())
-    assert captured > 0  # graphs were captured under inference mode
+    assert model.model.decode_runner.captures > 0  # a step was captured under inference mode
     tokens = model.generate(**prompt, do_sample=False, max_new_tokens=8)
     assert tokens.tolist() == reference.generate(**prompt, do_sample=False, max_new_tokens=8).tolist()
 
 
 def test_a_second_generate_replays_the_graphs_of_the_first(golden, converted_tiny_fp8):
-    """Each `generate` makes a new cache; its buffers come from the cache buffer pool
-    (`buffer_pool_deepseek_v41_vl.py`), so a second call of the same shape gets the first call's
-    buffers back and replays its decode graphs: no capture, the same tokens."""
+    """`generate` keeps its static cache on the model; a second call of the same length resets
+    and reuses it, so the decode step captured for its storage replays: no capture, the same
+    tokens."""
     model = hf_all_gpu_run(golden, converted_tiny_fp8)["model"]
     inputs, _ = hf_vl_inputs(golden, converted_tiny_fp8)
-
-    def captures() -> int:
-        return sum(s.captures for layer in model.model.layers for s in (layer._decode_segments or {}).values())
-
+    runner = model.model.decode_runner
     first = model.generate(**inputs, do_sample=False, max_new_tokens=12)
-    before = captures()
+    before = runner.captures
     assert before > 0
     second = model.generate(**inputs, do_sample=False, max_new_tokens=12)
-    assert captures() == before
+    assert runner.captures == before
     assert second.tolist() == first.tolist()
 
 
@@ -561,28 +571,24 @@ def test_beam_search_replays_the_decode_graphs_and_equals_eager_steps(golden, co
 
     processor = AutoProcessor.from_pretrained(converted_tiny_fp8)
     text = processor(text="A short prompt, then a longer one about cats and dogs. " * 3, return_tensors="pt").to(CUDA)
-    layers = model.model.layers
+    runner = model.model.decode_runner
     results = {}
     try:
         for graphs in (False, True):
-            for layer in layers:
-                layer.decode_cuda_graphs = graphs
-                layer._decode_segments = None
+            runner.graphs = graphs
+            before = runner.captures
             with torch.no_grad():
                 beams = model.generate(**text, do_sample=False, num_beams=3, num_return_sequences=3, max_new_tokens=10)
-                segments = [seg for layer in layers for seg in (layer._decode_segments or {}).values()]
-                captures = [seg.captures for seg in segments] if graphs else [0]
+                captures = runner.captures - before
                 short = model.generate(**inputs, do_sample=False, max_new_tokens=12)
             results[graphs] = (beams.tolist(), short.tolist(), captures)
     finally:
-        for layer in layers:
-            layer.decode_cuda_graphs = True
-    _METRICS["beam_search_graphs"] = {"captures_per_graphed_segment": results[True][2]}
+        runner.graphs = True
+    _METRICS["beam_search_graphs"] = {"captures": results[True][2]}
     assert results[True][0] == results[False][0]
     assert results[True][1] == results[False][1]
-    # 9 decode steps: one capture per layout (twice where a ratio-2 source is in the graph), not
-    # one per step
-    assert results[True][2] and max(results[True][2]) <= 3, results[True][2]
+    # 9 decode steps reordering the rows in place: one capture (the expanded batch), not one per step
+    assert results[True][2] == 1, results[True][2]
 
 
 def test_hf_wrapper_on_gpu_matches_the_golden_run(golden, converted_tiny_fp8):
@@ -1071,9 +1077,9 @@ def test_triton_ops_launch_on_the_gpu_of_their_tensors():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_layers_split_over_two_gpus_decode_from_graphs_like_one_gpu(golden, converted_tiny_fp8):
-    """A device_map over GPUs 0 and 1 (decoder layers whole, half on each): the decode steps of
-    the layers on GPU 1 are captured and replayed on GPU 1, and generation gives the one-GPU
-    greedy tokens with the one-GPU prefill logits (the same kernels on the same GPU model)."""
+    """A device_map over GPUs 0 and 1 (decoder layers whole, half on each): generation (layer by
+    layer, no captured step) gives the one-GPU greedy tokens with the one-GPU prefill logits (the
+    same kernels on the same GPU model)."""
     from transformers import AutoModelForImageTextToText
 
     reference = hf_all_gpu_run(golden, converted_tiny_fp8)
@@ -1089,20 +1095,17 @@ def test_layers_split_over_two_gpus_decode_from_graphs_like_one_gpu(golden, conv
     with torch.no_grad():
         logits = model(**inputs, use_cache=False).logits
     tokens = model.generate(**inputs, do_sample=False, max_new_tokens=13)[:, inputs["input_ids"].shape[1] :]
-    # the layers on GPU 1 replay graphs there (each run of layers keeps its graphs on its first layer)
-    on_gpu1 = [layer for layer in model.model.layers if layer.weight_device.index == 1]
-    segments = [seg for layer in on_gpu1 for seg in (layer._decode_segments or {}).values()]
-    assert segments and all(len(seg) >= 1 for seg in segments)
-    assert all(t.device.index == 1 for seg in segments for graph in seg._graphs.values() for t in graph[1] if t is not None)
+    # a model over two devices decodes layer by layer (the engine's step runs on one device)
+    assert model.model.decode_runner.captures == 0
     _METRICS["two_gpus"] = {"logits_rel_l2": rel_l2(logits.to(CUDA), reference["logits"]), "tokens_equal": tokens.tolist() == reference["tokens"]}
     assert rel_l2(logits.to(CUDA), reference["logits"]) < 1e-3
     assert tokens.tolist() == reference["tokens"]
 
 
 def test_decode_graphs_are_captured_again_after_every_graph_was_dropped(golden):
-    """Dropping every decode graph (as `.to()` does) and decoding again captures new ones into
-    the same per-device pool: no failure inside torch (a pool whose last graph was freed cannot
-    take captures), and the same logits as the first round, bit for bit."""
+    """Dropping every decode graph (a new cache each round) and decoding again captures new ones
+    into the same per-device pool: no failure inside torch (a pool whose last graph was freed
+    cannot take captures), and the same logits as the first round, bit for bit."""
     import gc
 
     from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
@@ -1111,34 +1114,31 @@ def test_decode_graphs_are_captured_again_after_every_graph_was_dropped(golden):
     tensors = golden_run(golden, "model_tiny_fp8", "text", CUDA)
     rounds = []
     for _ in range(2):
-        for layer in model.layers:
-            layer._decode_segments = None
         gc.collect()
-        cache = DeepseekV41Cache(model.config)
+        before = model.decode_runner.captures
+        cache = DeepseekV41Cache(model.config, max_cache_len=tensors["input_ids"].size(1) + 5)
         logits = []
         with torch.no_grad():
             step = model(tensors["input_ids"][:1], cache=cache).logits[:, -1]
             for _ in range(4):
                 step = model(step.argmax(-1, keepdim=True), cache=cache).logits[:, -1]
                 logits.append(step)
-        assert any(layer._decode_segments for layer in model.layers)
+        assert model.decode_runner.captures == before + 1
         rounds.append(torch.stack(logits))
+        del cache
     assert torch.equal(rounds[0], rounds[1])
 
 
 def test_decode_cuda_graphs_from_a_one_token_prompt_equal_eager_steps(golden):
     """A one-token prompt: the ratio-2 source's first compressed row is made by a graph-replayed
-    decode step; the cache must keep it (not the head graph's output buffer, which the next replay
-    rewrites). 12 greedy steps, graphs vs eager: same logits, same compressed KV and index keys."""
+    decode step. 12 greedy steps, graphs vs eager: same logits, same compressed KV and index keys."""
     from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
 
     model = golden_model(golden, "model_tiny_fp8", "fast", CUDA)
     tensors = golden_run(golden, "model_tiny_fp8", "text", CUDA)
     results = {}
     for graphs in (False, True):
-        for layer in model.layers:
-            layer.decode_cuda_graphs = graphs
-            layer._decode_segments = None
+        model.decode_runner.graphs = graphs
         cache = DeepseekV41Cache(model.config)
         logits = []
         with torch.no_grad():
@@ -1149,9 +1149,8 @@ def test_decode_cuda_graphs_from_a_one_token_prompt_equal_eager_steps(golden):
                 step = model(token, cache=cache).logits[:, -1]
                 logits.append(step)
         results[graphs] = (torch.stack(logits), cache)
-    for layer in model.layers:
-        layer.decode_cuda_graphs = True
-    assert rel_l2(results[True][0], results[False][0]) < 1e-5
+    model.decode_runner.graphs = True
+    assert torch.equal(results[True][0], results[False][0])
     for layer_id, state in results[False][1].attention.layers.items():
         other = results[True][1].attention.layers[layer_id]
         for name in ("compressed_kv", "index_k"):

@@ -1,0 +1,276 @@
+"""The decode engine: one step of the whole model as one function, and the runner that replays it.
+
+A one-token step of every row after a prefill::
+
+    input_ids [B, 1] ─ Engram hash (history [B, n-1] in, out) ─┐
+        └─ embed ─ hc copies ─ layer 0 .. L-1 `decode_step` ─ norm ─ head ─► logits fp32 [B, 1, V]
+    column [1], pads [B] ─► positions [B] ─► RoPE, ring slot, compressor slot and row per row
+    publisher [B] in ─► owners of index keys whose group ends update it ─► publisher out
+
+:func:`decode_model_step` is that function. It reads no host value that changes between steps:
+the widths of the compressed rows it reads are fixed for the sequence (a static cache's capacity,
+or a power-of-two bucket of a growing one), each row's position arrives on the device, and the
+state that a step reads and then replaces (the Engram history, the index-key publisher) goes in
+and comes out as tensors, while the caches are written in place at the same addresses at every
+step. So one CUDA graph of it serves every step of a sequence.
+
+:class:`DeepseekV41DecodeRunner`, owned by the model, holds every replay decision: it runs the step
+eagerly (CPU, a device the graphs cannot serve) or replays its graph (captured once per batch
+size, widths, numerics plan and cache storage, kept on the cache it addresses), then does the
+host bookkeeping the step leaves (row counts, the publisher, the position). The forward hands it
+one-token steps on a cache in fast numerics (`DeepseekV41Transformer.forward`); exact numerics,
+forward hooks, autograd and models spread over several devices keep the layer-by-layer forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
+
+from .attention_deepseek_v41_vl import decode_rows
+from .attention_state_deepseek_v41_vl import DeepseekV41DecodeStep, check_same_padding, left_padding_offsets
+from .cache_deepseek_v41_vl import DeepseekV41Cache
+from .cuda_graphs_deepseek_v41_vl import GraphedSegment, graph_pool
+from .exceptions_deepseek_v41_vl import DeepseekV41AttentionError, DeepseekV41ModelError
+from .hyper_connection_deepseek_v41_vl import identity_pre_mix
+
+
+def decode_model_step(
+    model,
+    cache: DeepseekV41Cache,
+    widths: dict[int, int],
+    input_ids: torch.Tensor,
+    column: torch.Tensor,
+    pads: torch.Tensor | None,
+    publisher: torch.Tensor,
+    history: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One decode step of the whole model (`DeepseekV41Transformer`), from device tensors only.
+
+    Args:
+        model: the `DeepseekV41Transformer`.
+        cache: its filled cache (written in place: window rings, partial groups, compressed rows,
+            index keys).
+        widths: compress ratio -> compressed rows read (fixed for the sequence).
+        input_ids: int64 ``[B, 1]``, the step's tokens (text: decode never emits the image token).
+        column: int64 ``[1]``, the padded column of the step (the cache's length).
+        pads: int64 ``[B]`` left padding of the rows, or None.
+        publisher: int64 ``[B]``, each row's index-key publisher before the step (-1: none).
+        history: int64 ``[B, max_ngram_size - 1]`` Engram history, or None without Engram layers.
+
+    Returns:
+        ``(logits fp32 [B, 1, V], hidden bf16 [B, 1, D], publisher [B], history)`` after the step.
+
+    Mirrors `inference/model.py: Transformer.forward` with ``start_pos > 0``.
+    """
+    positions = column.expand(input_ids.size(0)).clone() if pads is None else column - pads
+    step = DeepseekV41DecodeStep(
+        cache.attention, column, positions, publisher.clone(), widths, model.index_key_owners, pads
+    )
+    if model.engram_hash is not None:
+        step.engram_hash_ids, history = model.engram_hash(input_ids, history=history)
+    h = model.embed(input_ids)
+    x = h.unsqueeze(2).repeat(1, 1, model.hc_mult, 1)
+    pre_mix = identity_pre_mix(x, model.hc_mult)
+    for layer in model.layers:
+        x, pre_mix = layer.decode_step(x, pre_mix, step)
+    hidden = model.norm(model.hc.pre(x, pre_mix))
+    return model.head(hidden[:, -1]).unsqueeze(1), hidden, step.publisher, history
+
+
+def check_step_inputs(model, input_ids, mm_token_type_ids, attention_mask, cache: DeepseekV41Cache, read_back: bool) -> None:
+    """The checks of an engine step's inputs: the host-side ones (mask width, batch rows, room in
+    the cache), and with `read_back` (a step called directly, not from `generate`'s loop) those
+    a forward makes on the values: ids in the vocabulary and not the image token, text marks,
+    the cache's padding.
+
+    Raises:
+        DeepseekV41ModelError, DeepseekV41AttentionError, DeepseekV41CacheError: as the forward.
+    """
+    start = cache.get_seq_length()
+    batch = input_ids.size(0)
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, start + 1):
+        raise DeepseekV41AttentionError(
+            f"attention_mask must be [batch, past + seq] = [{batch}, {start + 1}], got {tuple(attention_mask.shape)}"
+        )
+    if cache.batch_size not in (-1, batch):
+        raise DeepseekV41ModelError(f"the cache holds {cache.batch_size} batch rows, input_ids {batch}")
+    cache.make_room(1)
+    if not read_back:
+        return
+    vocab = model.text_config.vocab_size
+    if bool(((input_ids < 0) | (input_ids >= vocab)).any()):
+        raise DeepseekV41ModelError(
+            f"input_ids must lie in [0, {vocab}) (vocab_size); got values from {int(input_ids.min())} to {int(input_ids.max())}"
+        )
+    model._image_positions(input_ids, mm_token_type_ids, None, None, None)
+    if mm_token_type_ids is not None and bool((mm_token_type_ids != 0).any()):
+        raise DeepseekV41ModelError("a decode step's token is text: mm_token_type_ids marks it as an image span")
+    if attention_mask is not None:
+        pads = left_padding_offsets(attention_mask, start, 1)
+        check_same_padding(cache.attention.pad_offsets, pads, start, batch)
+
+
+def _captured_step(context: tuple, *args):
+    # the function a graph captures: `context` = (model, cache, widths), fixed for the graph
+    return decode_model_step(*context, *args)
+
+
+def _hooked(modules) -> bool:
+    if _global_forward_hooks or _global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def _offloaded(module) -> bool:
+    """Whether accelerate swaps `module`'s weights in and out around each call (offload)."""
+    hook = getattr(module, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", [hook]) if hook is not None else []
+    return any(getattr(h, "offload", False) for h in hooks)
+
+
+class DeepseekV41DecodeRunner:
+    """Runs the decode engine's steps of one model (:func:`decode_model_step`).
+
+    Attributes:
+        graphs: replay steps on CUDA from CUDA graphs (default True); False runs them eagerly
+            (the same function, the same values bit for bit).
+        captures: graphs captured so far.
+    """
+
+    def __init__(self):
+        self.graphs = True
+        self.captures = 0
+        self._watched: list | None = None
+        self._scratch: dict = {}
+
+    # -- which steps the engine takes --------------------------------------------------------
+    def applies(self, model, cache, input_ids: torch.Tensor, output_hidden_states: bool = False) -> bool:
+        """Whether the forward of `input_ids` on `cache` is a step of the engine: one token per
+        row on a filled cache, fast numerics, no autograd, no forward hook on the model's modules
+        (a hook expects the layer-by-layer forward), every layer on one device, no offload."""
+        if cache is None or input_ids.size(1) != 1 or cache.get_seq_length() == 0 or output_hidden_states:
+            return False
+        if model.numerics.exact or torch.is_grad_enabled():
+            return False
+        if self._watched is None:
+            # every module but the routed experts (~1500 at release width): the step calls them
+            # through the expert kernels, as the plain forward then does, so hooks on them fire
+            # in neither
+            experts = {id(m) for layer in model.layers for m in layer.ffn.experts.modules()}
+            self._watched = [m for m in model.modules() if id(m) not in experts]
+        if _hooked(self._watched):
+            return False
+        device = model.embed.weight.device
+        return all(layer.weight_device == device and not _offloaded(layer) for layer in model.layers) \
+            and not _offloaded(model)
+
+    def forget_modules(self) -> None:
+        """Rebuild the list of modules watched for hooks at the next step (the model's modules changed)."""
+        self._watched = None
+
+    def _replays(self, model, batch: int, device: torch.device) -> bool:
+        """Whether a step of `batch` rows on `device` replays from a CUDA graph: graphs on, CUDA,
+        not inside a compile or another capture, and every op of the step free of host
+        synchronisation (the Triton sparse attention; the MoE's expert kernels at this batch)."""
+        if not (self.graphs and device.type == "cuda"):
+            return False
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return False
+        return all(
+            layer.attn.sparse_attention_graph_safe(device) and layer.ffn.runs_without_host_sync(batch, device)
+            for layer in model.layers
+        )
+
+    # -- a step -------------------------------------------------------------------------------
+    def widths(self, model, cache: DeepseekV41Cache) -> dict[int, int]:
+        """Compressed rows the next step reads, per compress ratio: a static cache's capacity
+        (the same at every step), or for a growing cache the power-of-two bucket of the rows in
+        use, after making room for them in the buffers the step reads."""
+        attention = cache.attention
+        end = cache.get_seq_length() + 1
+        widths = {}
+        for ratio in model.compress_ratios:
+            if attention.max_cache_len is not None:
+                widths[ratio] = -(-attention.max_cache_len // ratio)
+            else:
+                widths[ratio] = decode_rows(end // ratio)
+        if attention.max_cache_len is None:
+            for layer in model.layers:
+                own = attention.layer(layer.layer_idx)
+                if own.compressed_kv is not None:
+                    own.compressed_kv.reserve(widths[layer.attn.ratio])
+                if own.index_k is not None:
+                    own.index_k.reserve(max(widths.values()))
+        return widths
+
+    def step(self, model, input_ids: torch.Tensor, cache: DeepseekV41Cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of every row of `cache` (filled by a prefill), with no host
+        synchronisation: the step's function replayed from a CUDA graph where :meth:`_replays`
+        allows, else run eagerly; then the host bookkeeping. The inputs are trusted (checked
+        at the prefill and at `generate`'s entry): ids in the vocabulary, one per row.
+
+        Args:
+            input_ids: int64 ``[B, 1]`` on the model's device.
+            cache: the sequence's :class:`DeepseekV41Cache`.
+
+        Returns:
+            ``(logits fp32 [B, 1, V], last hidden state bf16 [B, 1, D])``.
+        """
+        attention = cache.attention
+        batch, device = input_ids.size(0), input_ids.device
+        start = cache.get_seq_length()
+        widths = self.widths(model, cache)
+        column = self._column(device).fill_(start)
+        publisher = attention.publisher_rows(batch, device)
+        args = (input_ids, column, attention.pad_offsets, publisher, cache.engram_history)
+        if self._replays(model, batch, device):
+            segment = attention.decode_graphs.get("step")
+            if segment is None:
+                segment = attention.decode_graphs["step"] = GraphedSegment(_captured_step, graph_pool(device))
+            before = segment.captures
+            key = (tuple(sorted(widths.items())), model.numerics, model.weights_epoch, attention.epoch.value)
+            logits, hidden, publisher, history = segment(*args, key=key, context=(model, cache, widths))
+            self.captures += segment.captures - before
+        else:
+            logits, hidden, publisher, history = decode_model_step(model, cache, widths, *args)
+        self._commit(model, cache, start, publisher)
+        if history is not None:
+            cache.engram_history = history
+        cache.record_tokens(1)
+        return logits, hidden
+
+    def _column(self, device: torch.device) -> torch.Tensor:
+        held = self._scratch.get(device)
+        if held is None:
+            with torch.inference_mode(False):
+                held = self._scratch[device] = torch.zeros(1, dtype=torch.int64, device=device)
+        return held
+
+    def _commit(self, model, cache: DeepseekV41Cache, start: int, publisher: torch.Tensor) -> None:
+        """The host side of a step at column `start`: rows held by each compressed buffer and the
+        index-key publisher, computed from the positions the host knows (no device read)."""
+        attention = cache.attention
+        ends = [start + 1 - pad for pad in (attention.host_pads or [0])]  # each row's length after the step
+        last_writer = None
+        for layer in model.layers:
+            attn = layer.attn
+            if not attn.is_kv_source:
+                continue
+            own = attention.layer(layer.layer_idx)
+            rows = max(end // attn.ratio for end in ends)
+            for buffer in (own.compressed_kv, own.index_k):
+                if buffer is not None:
+                    buffer.length = max(buffer.length, rows)
+            if attn.indexer is not None and attn.indexer.owns_k and any(end % attn.ratio == 0 for end in ends):
+                last_writer = layer.layer_idx
+        if attention.pad_offsets is None:
+            if last_writer is not None:
+                attention.index_k_publisher, attention.index_k_publisher_rows = last_writer, None
+        else:
+            attention.index_k_publisher_rows = publisher
+            if last_writer is not None:
+                attention.index_k_publisher = last_writer
+
+
+__all__ = ["DeepseekV41DecodeRunner", "check_step_inputs", "decode_model_step"]
