@@ -38,7 +38,8 @@ def select_batch_rows(tensor: torch.Tensor | None, index: torch.Tensor) -> torch
     """`tensor`'s batch rows `index` (dim 0), in place when the batch size is unchanged."""
     if tensor is None:
         return None
-    rows = tensor.index_select(0, index.to(tensor.device))
+    with torch.inference_mode(False):  # an ordinary tensor: later steps outside inference mode write it
+        rows = tensor.index_select(0, index.to(tensor.device))
     writable = not tensor.is_inference() or torch.is_inference_mode_enabled()
     if rows.shape == tensor.shape and tensor.is_contiguous() and writable:
         # same batch size (beam search reorders every step): keep the storage, so that a captured
@@ -93,14 +94,6 @@ class DeepseekV41RowBuffer:
         self.fixed_capacity = fixed_capacity
         self.length = 0
         self.ratio = 1  # positions per row (set by the layer cache that made it)
-
-    @classmethod
-    def of_rows(cls, rows: torch.Tensor) -> "DeepseekV41RowBuffer":
-        """A growing buffer holding a copy of `rows` ``[B, n, D]`` (tests, standalone use)."""
-        allocate = lambda shape: _new_state_tensor(shape, rows.dtype, rows.device, 0.0)  # noqa: E731
-        buffer = cls(allocate((rows.size(0), _capacity(rows.size(1)), rows.size(2))), allocate)
-        buffer.write(0, rows)
-        return buffer
 
     @property
     def capacity(self) -> int:
@@ -247,8 +240,8 @@ class DeepseekV41LayerAttentionCache:
         """Move the row buffers to the capacity of the current `max_cache_len`, keeping their rows."""
         for kind in ("compressed_kv", "index_k"):
             old = getattr(self, kind)
-            if old is None or not old.fixed_capacity:
-                continue
+            if old is None or not old.fixed_capacity or old.capacity >= -(-self.max_cache_len // old.ratio):
+                continue  # (the same capacity: `buffer` would hand back the storage being copied)
             new = self.row_buffer(kind, old.storage(), old.ratio)
             new.storage(old.capacity).copy_(old.storage())
             new.length = old.length
@@ -521,6 +514,7 @@ class DeepseekV41Cache(Cache):
                                           or max_cache_len < 1):
             raise DeepseekV41CacheError(f"max_cache_len must be None or an int >= 1 (positions held), got {max_cache_len!r}")
         self.max_cache_len = max_cache_len
+        self._in_generate: int | None = None  # a model's kept cache: the thread whose `generate` holds it
         self.attention = DeepseekV41AttentionCache(max_cache_len)
         self._engram_history: torch.Tensor | None = None
         self._engram_storage: torch.Tensor | None = None
@@ -638,8 +632,11 @@ class DeepseekV41Cache(Cache):
         super().batch_select_indices(indices)
         self.engram_history = select_batch_rows(self.engram_history, indices)
         self.image_counts = select_batch_rows(self.image_counts, indices)
-        # per batch row attention state (left padding)
+        # per batch row attention state (left padding; its host copy follows the rows)
+        host_pads = self.attention.host_pads
         self.attention.pad_offsets = select_batch_rows(self.attention.pad_offsets, indices)
+        if host_pads is not None:
+            self.attention.host_pads = [host_pads[i] for i in indices.tolist()]
         self.attention.index_k_publisher_rows = select_batch_rows(self.attention.index_k_publisher_rows, indices)
         self._drop_crop_history("a batch selection (batch_select_indices / reorder_cache)")
 
@@ -656,6 +653,7 @@ class DeepseekV41Cache(Cache):
             rows = getattr(self.attention, name)
             if rows is not None:
                 setattr(self.attention, name, rows.repeat_interleave(repeats, dim=0))
+        # (`pad_offsets` re-reads its host copy: a new tensor)
         self._drop_crop_history("batch_repeat_interleave")
 
     def crop(self, max_length: int) -> None:
@@ -708,7 +706,6 @@ class DeepseekV41Cache(Cache):
         # a cache filled under inference_mode holds inference tensors, writable only inside it
         with torch.inference_mode(any(t.is_inference() for t in tensors)), torch.no_grad():
             history.restore(self, target)
-        self.attention.epoch.advance()  # the restore may have replaced state tensors
         self._seen_tokens = target
         self.attention.seen_tokens = target
 

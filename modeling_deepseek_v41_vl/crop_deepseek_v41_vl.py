@@ -173,7 +173,9 @@ class DeepseekV41CropHistory:
                     if now is not None and now.shape == saved.shape:
                         now.copy_(saved)  # in place: a captured CUDA graph addresses these
                     else:
-                        setattr(state, name, saved.clone())
+                        with torch.inference_mode(False):
+                            setattr(state, name, saved.clone())
+                        state.epoch.advance()  # a new tensor: a captured step addressed the old one
             counts = point.rows.get(layer_id, (None, None))
             ratio = max(self.compress_ratio(layer_id), 1)
             for name, length in zip(("compressed_kv", "index_k"), counts):

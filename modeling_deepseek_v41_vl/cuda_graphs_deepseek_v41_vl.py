@@ -35,49 +35,27 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class GraphedSegment:
-    """Replay `fn` from CUDA graphs captured per input signature.
+    """Replay `fn` from CUDA graphs captured per input signature and layout key.
 
     Args:
-        fn: a function of tensors (and None) returning a tensor or a tuple of tensors; it must be
-            pure (no side effects the graph would not repeat), with no host synchronisation and
-            no shape that depends on tensor values.
+        fn: ``fn(context, *args)``, a function of tensors (and None) returning a tuple of tensors
+            (or None); it must have no host synchronisation, no shape that depends on tensor
+            values, and no side effect that a second run of the same inputs would change (the
+            capture runs it once eagerly first, then the replay runs it again).
         pool: a graph memory pool handle (`torch.cuda.graph_pool_handle()`) shared with other
             segments, or None for a private one.
-        owner_key: called at every call; its value is part of the cache key, so a change (new
-            weights' addresses after `.to()`, other numerics) drops the stale graphs.
-        clone_outputs: return clones of the graph's static outputs (which the next replay
-            overwrites); False when every output is consumed before that.
-        borrowed: positions of arguments that are another graph's static tensors (the same
-            storage at every call, e.g. the outputs of the segment before): the capture reads them
-            in place, and a call that passes that storage again copies nothing.
-        clone_first: with `clone_outputs`, clone only this many leading outputs. The rest are
-            copied, inside the graph, into buffers of their own outside the memory pool: they
-            stay valid until this segment's next replay of the same graph, whatever other graphs
-            of the pool replay meanwhile (a graph's pool memory is another graph's scratch: an
-            output left there would be overwritten by the next graph captured over it).
         max_graphs: graphs kept, least recently used dropped first (each holds its own
             intermediates in the pool).
+
+    Every call copies its arguments into the graph's static inputs, replays the graph and returns
+    clones of the outputs (the next replay rewrites the graph's own).
     """
 
-    def __init__(
-        self,
-        fn: Callable,
-        pool=None,
-        owner_key: Callable[[], object] | None = None,
-        clone_outputs: bool = True,
-        borrowed: tuple[int, ...] = (),
-        clone_first: int | None = None,
-        max_graphs: int = 8,
-    ):
+    def __init__(self, fn: Callable, pool=None, max_graphs: int = 4):
         self.fn = fn
-        self.clone_outputs = clone_outputs
-        self.clone_first = clone_first
-        self.borrowed = frozenset(borrowed)
         self.pool = pool
-        self.owner_key = owner_key
         self.max_graphs = max_graphs
-        self._graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, list, object]] = OrderedDict()
-        self._owner: object = None
+        self._graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, list, tuple]] = OrderedDict()
         self.captures = 0  # graphs captured so far (kept or dropped)
 
     @staticmethod
@@ -89,88 +67,65 @@ class GraphedSegment:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def _capture(self, args, context) -> tuple[torch.cuda.CUDAGraph, list, object]:
-        fn = self.fn if context is None else (lambda *a: self.fn(context, *a))
+    def _capture(self, args, context) -> tuple[torch.cuda.CUDAGraph, list, tuple]:
         # the graph's own input buffers are normal tensors even when the capture runs under
         # torch.inference_mode(): later replays outside it (generate() runs under no_grad) copy
         # into them, which an inference tensor refuses
         with torch.inference_mode(False):
-            inputs = [a if (a is None or i in self.borrowed) else a.clone() for i, a in enumerate(args)]
+            inputs = [None if a is None else a.clone() for a in args]
         stream = torch.cuda.Stream(device=next(a for a in args if a is not None).device)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             # warm-up outside the capture: Triton compiles and autotunes, lazy tables and cuBLAS
-            # handles are created here, not inside the graph. Its side effects on caches are
-            # repeated by the replay that follows, which writes the same values again.
-            warm = fn(*inputs)
+            # handles are created here, not inside the graph
+            self.fn(context, *inputs)
         torch.cuda.current_stream().wait_stream(stream)
-        kept = {}
-        if self.clone_outputs and self.clone_first is not None and isinstance(warm, tuple):
-            with torch.inference_mode(False):
-                kept = {i: torch.empty_like(o) for i, o in enumerate(warm) if i >= self.clone_first and o is not None}
-        del warm
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=_capture_stream(stream.device)):
-            outputs = fn(*inputs)
-            for i, buffer in kept.items():
-                buffer.copy_(outputs[i])
-        if kept:
-            outputs = tuple(kept.get(i, o) for i, o in enumerate(outputs))
+            outputs = self.fn(context, *inputs)
         return graph, inputs, outputs
 
-    def __call__(self, *args, key: tuple = (), context=None):
+    def __call__(self, *args, key: tuple = (), context=None) -> tuple:
         """Replay (capturing first if needed) for these arguments.
 
         Args:
-            key: hashable layout the graph depends on besides the arguments' signatures (e.g. the
-                addresses of cache buffers it reads and writes in place).
-            context: passed as ``fn(context, *args)`` when not None; only used when capturing, so
-                everything of it the graph depends on must be in `key`.
+            key: hashable layout the graph depends on besides the arguments' signatures (the
+                storage of what it reads and writes in place, the weights' version, ...).
+            context: passed as ``fn(context, *args)``; read only when capturing, so everything
+                of it the graph depends on must be in `key`.
+
+        Raises:
+            ValueError: no tensor argument.
         """
         tensors = [a for a in args if a is not None]
         if not tensors:
             raise ValueError("GraphedSegment needs at least one tensor argument")
         device = tensors[0].device
-        if device.index is not None and device.index != torch.cuda.current_device():
-            # a layer placed on another GPU (a device_map): capture and replay on its device
-            # and stream
-            with torch.cuda.device(device):
-                return self._call(args, key, context)
-        return self._call(args, key, context)
-
-    def _call(self, args, key, context):
-        owner = self.owner_key() if self.owner_key is not None else None
-        if owner != self._owner:
-            self._graphs.clear()
-            self._owner = owner
-        key = (self._signature(args), key)
-        entry = self._graphs.get(key)
-        if entry is None:
-            while len(self._graphs) >= self.max_graphs:
-                self._graphs.popitem(last=False)
-            entry = self._graphs[key] = self._capture(args, context)
-            self.captures += 1
-        else:
-            self._graphs.move_to_end(key)
-        graph, inputs, outputs = entry
-        for static, a in zip(inputs, args):
-            if static is not None and static.data_ptr() != a.data_ptr():
-                static.copy_(a)
-        graph.replay()
-        if not self.clone_outputs:
-            return outputs
-        if isinstance(outputs, tuple):
-            n = len(outputs) if self.clone_first is None else self.clone_first
-            return tuple(o.clone() if (i < n and o is not None) else o for i, o in enumerate(outputs))
-        return outputs.clone()
+        with torch.cuda.device(device):
+            key = (self._signature(args), key)
+            entry = self._graphs.get(key)
+            if entry is None:
+                while len(self._graphs) >= self.max_graphs:
+                    self._graphs.popitem(last=False)
+                entry = self._graphs[key] = self._capture(args, context)
+                self.captures += 1
+            else:
+                self._graphs.move_to_end(key)
+            graph, inputs, outputs = entry
+            for static, a in zip(inputs, args):
+                if static is not None:
+                    static.copy_(a)
+            graph.replay()
+            return tuple(None if o is None else o.clone() for o in outputs)
 
 
 _GRAPH_POOLS: dict = {}
 
 
 def graph_pool(device: torch.device):
-    """One CUDA-graph memory pool per device, shared by the decode graphs of every layer (they
-    replay one after another on one stream, so their intermediates may share memory)."""
+    """One CUDA-graph memory pool per device, shared by the captured decode steps of every cache
+    and model (they replay one after another on one stream, so their intermediates may share
+    memory; each step's outputs are cloned out of the pool)."""
     key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
     if key not in _GRAPH_POOLS:
         handle = torch.cuda.graph_pool_handle()

@@ -7,8 +7,8 @@
   ViT output, aligner unfold and output), per image.
 
 Both register forward hooks on entry and remove them on exit, so a model pays nothing outside the
-``with`` block. While hooks watch a decoder layer's submodules, its decode steps take the plain
-forward (`cuda_graphs_deepseek_v41_vl.submodules_hooked`), so every boundary fires.
+``with`` block. While hooks watch the model's modules, its decode steps take the layer-by-layer
+forward (`DeepseekV41DecodeRunner.applies`), so every boundary fires.
 """
 
 from __future__ import annotations

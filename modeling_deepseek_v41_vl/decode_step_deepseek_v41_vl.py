@@ -24,8 +24,18 @@ forward hooks, autograd and models spread over several devices keep the layer-by
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import weakref
+
 import torch
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
+from torch.nn.modules.module import (
+    _global_forward_hooks,
+    _global_forward_pre_hooks,
+    register_module_buffer_registration_hook,
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from .attention_deepseek_v41_vl import decode_rows
 from .attention_state_deepseek_v41_vl import DeepseekV41DecodeStep, check_same_padding, left_padding_offsets
@@ -122,6 +132,32 @@ def _hooked(modules) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
+class _StructureVersion:
+    """Advanced whenever any module registers a submodule, parameter or buffer (torch's global
+    registration hooks, installed once): a replaced module or weight (an adapter injected, a head
+    swapped) changes what a captured step would read and which modules a hook may watch."""
+
+    value = 0
+    installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls.installed:
+            return
+
+        def advance(*_):
+            cls.value += 1
+
+        register_module_module_registration_hook(advance)
+        register_module_parameter_registration_hook(advance)
+        register_module_buffer_registration_hook(advance)
+        cls.installed = True
+
+
+# the runners whose steps the current thread's `generate` loop issues (checked at its entry)
+_TRUSTED = threading.local()
+
+
 def _offloaded(module) -> bool:
     """Whether accelerate swaps `module`'s weights in and out around each call (offload)."""
     hook = getattr(module, "_hf_hook", None)
@@ -141,8 +177,29 @@ class DeepseekV41DecodeRunner:
     def __init__(self):
         self.graphs = True
         self.captures = 0
-        self._watched: list | None = None
+        self._watched: tuple[int, list] | None = None  # (structure version, modules)
         self._scratch: dict = {}
+        _StructureVersion.install()
+
+    @contextlib.contextmanager
+    def trusting(self):
+        """While in it, this thread's engine steps skip the checks that read values back from the
+        GPU (`generate`'s loop: its tokens come from its own sampling, checked at its entry)."""
+        trusted = getattr(_TRUSTED, "runners", None)
+        if trusted is None:
+            trusted = _TRUSTED.runners = weakref.WeakSet()
+        was = self in trusted
+        trusted.add(self)
+        try:
+            yield
+        finally:
+            if not was:
+                trusted.discard(self)
+
+    @property
+    def trusted(self) -> bool:
+        """Whether this thread is inside :meth:`trusting`."""
+        return self in getattr(_TRUSTED, "runners", ())
 
     # -- which steps the engine takes --------------------------------------------------------
     def applies(self, model, cache, input_ids: torch.Tensor, output_hidden_states: bool = False) -> bool:
@@ -153,21 +210,21 @@ class DeepseekV41DecodeRunner:
             return False
         if model.numerics.exact or torch.is_grad_enabled():
             return False
-        if self._watched is None:
+        if self._watched is None or self._watched[0] != _StructureVersion.value:
             # every module but the routed experts (~1500 at release width): the step calls them
             # through the expert kernels, as the plain forward then does, so hooks on them fire
             # in neither
             experts = {id(m) for layer in model.layers for m in layer.ffn.experts.modules()}
-            self._watched = [m for m in model.modules() if id(m) not in experts]
-        if _hooked(self._watched):
+            self._watched = (_StructureVersion.value, [m for m in model.modules() if id(m) not in experts])
+        if _hooked(self._watched[1]):
             return False
         device = model.embed.weight.device
+        if model.head.weight.device != device or model.norm.weight.device != device:
+            return False
+        if model.engram_hash is not None and model.engram_hash.token_map.device != device:
+            return False
         return all(layer.weight_device == device and not _offloaded(layer) for layer in model.layers) \
             and not _offloaded(model)
-
-    def forget_modules(self) -> None:
-        """Rebuild the list of modules watched for hooks at the next step (the model's modules changed)."""
-        self._watched = None
 
     def _replays(self, model, batch: int, device: torch.device) -> bool:
         """Whether a step of `batch` rows on `device` replays from a CUDA graph: graphs on, CUDA,
@@ -191,17 +248,19 @@ class DeepseekV41DecodeRunner:
         end = cache.get_seq_length() + 1
         widths = {}
         for ratio in model.compress_ratios:
-            if attention.max_cache_len is not None:
-                widths[ratio] = -(-attention.max_cache_len // ratio)
-            else:
-                widths[ratio] = decode_rows(end // ratio)
+            # every row a step writes: row position // ratio, the last one possibly of a partial group
+            rows = attention.max_cache_len if attention.max_cache_len is not None else end
+            widths[ratio] = -(-rows // ratio)
+            if attention.max_cache_len is None:
+                widths[ratio] = decode_rows(widths[ratio])
         if attention.max_cache_len is None:
             for layer in model.layers:
                 own = attention.layer(layer.layer_idx)
                 if own.compressed_kv is not None:
                     own.compressed_kv.reserve(widths[layer.attn.ratio])
                 if own.index_k is not None:
-                    own.index_k.reserve(max(widths.values()))
+                    own.index_k.reserve(max(widths.values(), default=0))
+                    own.index_k.reserve(decode_rows(end))  # (index keys are read at any ratio's width)
         return widths
 
     def step(self, model, input_ids: torch.Tensor, cache: DeepseekV41Cache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +288,10 @@ class DeepseekV41DecodeRunner:
             if segment is None:
                 segment = attention.decode_graphs["step"] = GraphedSegment(_captured_step, graph_pool(device))
             before = segment.captures
-            key = (tuple(sorted(widths.items())), model.numerics, model.weights_epoch, attention.epoch.value)
+            key = (
+                tuple(sorted(widths.items())), model.numerics, model.decode_identity, model.weights_epoch,
+                _StructureVersion.value, attention.epoch.value,
+            )
             logits, hidden, publisher, history = segment(*args, key=key, context=(model, cache, widths))
             self.captures += segment.captures - before
         else:

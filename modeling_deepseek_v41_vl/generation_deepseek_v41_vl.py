@@ -9,6 +9,7 @@ text-only class) add to transformers' `GenerationMixin`; the model itself is in
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
@@ -18,6 +19,10 @@ from transformers.generation.logits_process import SuppressTokensLogitsProcessor
 from .cache_deepseek_v41_vl import DeepseekV41Cache
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from .conversation_deepseek_v41_vl import images_per_row, select_images
+
+
+# guards the hand-out of a model's kept static cache between threads
+_KEPT_CACHE_LOCK = threading.Lock()
 
 
 class DeepseekV41GenerationMixin(GenerationMixin):
@@ -45,14 +50,21 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         prompt = args[0] if args else kwargs.get("inputs")
         if prompt is None:
             prompt = kwargs.get("input_ids")
-        _check_continuation(prompt, kwargs.get("attention_mask"), kwargs.get("cache", kwargs.get("past_key_values")))
+        given = kwargs.get("cache", kwargs.get("past_key_values"))
+        _check_continuation(prompt, kwargs.get("attention_mask"), given)
+        cached = given.get_seq_length() if isinstance(given, DeepseekV41Cache) else 0
+        if cached and prompt is not None and prompt.size(1) == cached + 1:
+            # the first forward is then a one-token step of the caller's token: checked here, as
+            # a forward would (the loop's own steps are not read back)
+            _check_token_ids(self.model, prompt[:, -1:])
         # the loop's one-token steps come from its own sampling (ids in the vocabulary, never the
-        # suppressed image token, the mask extended by one): the model checks them here, not per step
-        trusted, self.model.trusted_steps = self.model.trusted_steps, True
+        # suppressed image token, the mask extended by one): the model does not read them back
+        output = None
         try:
-            output = super().generate(*args, **kwargs)
+            with self.model.decode_runner.trusting():
+                output = super().generate(*args, **kwargs)
         finally:
-            self.model.trusted_steps = trusted
+            self._release_kept_cache(getattr(output, "past_key_values", None))
         user = kwargs.get("generation_config")
         eos = kwargs.get("eos_token_id", getattr(user, "eos_token_id", None))
         if eos is None:
@@ -65,12 +77,18 @@ class DeepseekV41GenerationMixin(GenerationMixin):
     ) -> None:
         """The :class:`DeepseekV41Cache` of this generation (the model has no key/value cache to share).
 
-        By default a static cache of `max_cache_length` positions (prompt + new tokens), kept on
-        the model and reused, reset, by the next call that needs the same length, as transformers
-        keeps a `StaticCache`: its storage, and the captured decode step that addresses it, then
-        serve that call too. ``cache_implementation="dynamic"`` makes a growing cache instead. A
-        cache the caller passes is used as given; a static one too short for this call is made
-        longer (its storage moves once).
+        By default (``cache_implementation`` None or ``"static"``) a static cache of
+        `max_cache_length` positions (prompt + new tokens, or `generation_config.max_cache_len`
+        if larger), kept on the model and reused, reset, by the next call whose length it holds
+        within a factor of two: its storage, and the captured decode step that addresses it,
+        then serve that call too. A call that returns the cache (``return_dict_in_generate``)
+        hands it over: the model keeps it no longer. A cache in use by another thread's call is
+        not shared: this call gets its own. ``cache_implementation="dynamic"`` makes a growing
+        cache instead. A cache the caller passes is used as given; a static one too short for
+        this call is made longer (its storage moves once).
+
+        Raises:
+            DeepseekV41ModelError: another ``cache_implementation``.
         """
         given = model_kwargs.get("cache")
         if given is None and model_kwargs.get("past_key_values") is not None:
@@ -82,15 +100,36 @@ class DeepseekV41GenerationMixin(GenerationMixin):
             return
         if generation_config.use_cache is False:
             return
-        if max_cache_length is None or generation_config.cache_implementation == "dynamic":
+        implementation = generation_config.cache_implementation
+        if implementation not in (None, "static", "dynamic"):
+            raise DeepseekV41ModelError(
+                f"cache_implementation={implementation!r}: this model's cache is 'static' (the default) or 'dynamic'"
+            )
+        if max_cache_length is None or implementation == "dynamic":
             model_kwargs["cache"] = DeepseekV41Cache(self.config)
             return
-        kept = self.__dict__.get("_kept_cache")
-        if kept is None or kept.max_cache_len != max_cache_length:
-            kept = self.__dict__["_kept_cache"] = DeepseekV41Cache(self.config, max_cache_len=max_cache_length)
-        else:
-            kept.reset()
+        needed = max(max_cache_length, getattr(generation_config, "max_cache_len", None) or 0)
+        with _KEPT_CACHE_LOCK:
+            kept = self.__dict__.get("_kept_cache")
+            if kept is not None and kept._in_generate is not None:
+                model_kwargs["cache"] = DeepseekV41Cache(self.config, max_cache_len=needed)  # another call's
+                return
+            if kept is None or not needed <= kept.max_cache_len <= 2 * needed:
+                kept = self.__dict__["_kept_cache"] = DeepseekV41Cache(self.config, max_cache_len=needed)
+            kept._in_generate = threading.get_ident()
+        kept.reset()
         model_kwargs["cache"] = kept
+
+    def _release_kept_cache(self, returned) -> None:
+        """After a call: the kept cache is free again, or, when the call returned it to the
+        caller, no longer the model's (a later call must not reset it under them)."""
+        with _KEPT_CACHE_LOCK:
+            kept = self.__dict__.get("_kept_cache")
+            if kept is None or kept._in_generate != threading.get_ident():
+                return  # not this thread's call
+            kept._in_generate = None
+            if returned is kept:
+                del self.__dict__["_kept_cache"]
 
     def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False, input_ids=None, **kwargs):
         # pixel_values / image_grid_thw are per image, not per batch row: each row's images are
@@ -120,6 +159,17 @@ class DeepseekV41GenerationMixin(GenerationMixin):
             device = kwargs.get("device") or self.device
             processors.append(SuppressTokensLogitsProcessor([self.config.image_token_id], device=device))
         return processors
+
+
+def _check_token_ids(transformer, ids: torch.Tensor) -> None:
+    """Refuse ids outside the vocabulary and the image token (which stands only in image spans)."""
+    vocab, image = transformer.text_config.vocab_size, transformer.config.image_token_id
+    if bool(((ids < 0) | (ids >= vocab)).any()):
+        raise DeepseekV41ModelError(f"input_ids must lie in [0, {vocab}) (vocab_size); got {ids.flatten().tolist()}")
+    if bool((ids == image).any()):
+        raise DeepseekV41ModelError(
+            f"input_ids holds image_token_id {image} outside an image span: the last token of a continuation is text"
+        )
 
 
 def _check_continuation(input_ids, attention_mask, cache) -> None:

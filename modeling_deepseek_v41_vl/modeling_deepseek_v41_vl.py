@@ -137,6 +137,7 @@ class DeepseekV41Transformer(nn.Module):
             layer.layer_idx for layer in self.layers if layer.attn.indexer is not None and layer.attn.indexer.owns_k
         )
         self.weights_epoch = 0
+        self.decode_identity = object()  # in a captured step's key: a copy of the model gets its own
         self.decode_runner = DeepseekV41DecodeRunner()
 
     def _apply(self, fn, *args, **kwargs):
@@ -300,7 +301,7 @@ class DeepseekV41Transformer(nn.Module):
         if pixel_values is None and image_span_embeds is None \
                 and self.decode_runner.applies(self, cache, input_ids, output_hidden_states):
             # `generate`'s own steps were checked at its entry and at the prefill: nothing to read back
-            check_step_inputs(self, input_ids, mm_token_type_ids, attention_mask, cache, read_back=not self.trusted_steps)
+            check_step_inputs(self, input_ids, mm_token_type_ids, attention_mask, cache, read_back=not self.decode_runner.trusted)
             logits, hidden = self.decode_runner.step(self, input_ids, cache)
             return DeepseekV41TransformerOutput(logits=logits, cache=cache, last_hidden_state=hidden)
         vocab = self.text_config.vocab_size
@@ -371,9 +372,6 @@ class DeepseekV41Transformer(nn.Module):
             logits=logits, cache=cache, last_hidden_state=hidden,
             hidden_states=None if collected is None else tuple(collected),
         )
-
-    # set while `generate` runs its own loop: its one-token steps were checked at its entry
-    trusted_steps = False
 
     def _image_positions(self, input_ids, mm_token_type_ids, pixel_values, image_grid_thw, image_span_embeds):
         """The image-span mask ``[B, S]`` (None without `mm_token_type_ids`) and the rows to
@@ -581,7 +579,7 @@ class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
             # so padding after a row's last token never reaches it: a right-padded training batch
             # runs as if unpadded (a cache would record the pads)
             attention_mask = None
-        engine_step = self.model.trusted_steps and input_ids.size(1) == 1 and pixel_values is None
+        engine_step = self.model.decode_runner.trusted and input_ids.size(1) == 1 and pixel_values is None
         if cache is not None and cache.get_seq_length() > 0 and not engine_step:  # a conversation's next turn
             mm_token_type_ids, pixel_values, image_grid_thw = continuation_images(
                 self.model, input_ids, mm_token_type_ids, pixel_values, image_grid_thw, cache

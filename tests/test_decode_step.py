@@ -67,15 +67,20 @@ def _decode(model, prompt, tokens, engine: bool, max_cache_len=None, mask=None):
 
 
 def _greedy(model, prompt, steps, mask=None):
+    """Greedy tokens, the image token suppressed (as `generate` does)."""
     cache = DeepseekV41Cache(model.config)
     out = []
+
+    def pick(logits):
+        return logits.index_fill(-1, torch.tensor([model.config.image_token_id]), -torch.inf).argmax(-1)
+
     with torch.no_grad(), _LayerByLayer(model):
-        token = model(prompt, cache=cache, attention_mask=mask).logits[:, -1:].argmax(-1)
+        token = pick(model(prompt, cache=cache, attention_mask=mask).logits[:, -1:])
         for _ in range(steps):
             out.append(token)
             if mask is not None:
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            token = model(token, cache=cache, attention_mask=mask).logits.argmax(-1)
+            token = pick(model(token, cache=cache, attention_mask=mask).logits)
     return torch.cat(out, dim=1)
 
 
@@ -197,3 +202,81 @@ def test_window_index_list_from_a_device_position_equals_the_host_one(window):
         want = decode_window_idxs(window, 2, start_pos)
         got = decode_window_idxs_at(window, 2, torch.tensor([start_pos]))
         assert got.dtype == want.dtype and torch.equal(got, want), (window, start_pos)
+
+
+def test_a_growing_cache_decodes_across_its_width_buckets(fast, monkeypatch):
+    """A step writes the row of a partial group too: the width it reads covers it when the rows in
+    use reach a power of two (here every bucket is crossed: the smallest bucket is 1 row)."""
+    import deepseek_v41_vl.modeling.attention_deepseek_v41_vl as attention
+
+    monkeypatch.setattr(attention, "DECODE_MIN_ROWS", 1)
+    model, ids = fast
+    prompt = ids[:1, :16]  # 8 complete groups of the ratio-2 layers, then a partial one
+    tokens = _greedy(model, prompt, STEPS)
+    plain, plain_cache = _decode(model, prompt, tokens, engine=False)
+    engine, engine_cache = _decode(model, prompt, tokens, engine=True)
+    assert _bookkeeping(engine_cache) == _bookkeeping(plain_cache)
+    assert torch.equal(engine.argmax(-1), plain.argmax(-1)) and rel_l2(engine, plain) < 1e-2
+
+
+def test_growing_a_static_cache_keeps_its_rows(fast):
+    model, ids = fast
+    cache = DeepseekV41Cache(model.config, max_cache_len=21)
+    with torch.no_grad():
+        model(ids[:1, :21], cache=cache)
+    rows = {i: s.compressed_kv.rows(s.compressed_kv.length).clone() for i, s in cache.attention.layers.items()
+            if s.compressed_kv is not None}
+    for length in (22, 23, 60):  # ratio-2 rows: the same capacity, then more
+        with torch.no_grad():  # (as `generate` grows a cache it is given)
+            cache.grow_to(length)
+        assert cache.max_cache_len == length
+        for i, kept in rows.items():
+            assert torch.equal(cache.attention.layer(i).compressed_kv.rows(kept.size(1)), kept), (length, i)
+
+
+def test_a_batch_selection_moves_the_host_padding_with_the_rows(fast):
+    model, ids = fast
+    prompt = torch.cat([ids[:1, :21], torch.cat([torch.zeros(1, 4, dtype=ids.dtype), ids[:1, 4:21]], 1)])
+    mask = torch.ones_like(prompt)
+    mask[1, :4] = 0
+    cache = DeepseekV41Cache(model.config)
+    with torch.no_grad():
+        model(prompt, cache=cache, attention_mask=mask)
+        cache.batch_select_indices(torch.tensor([1, 1]))
+        assert cache.attention.host_pads == [4, 4] and cache.attention.pad_offsets.tolist() == [4, 4]
+        token = torch.tensor([[7], [7]])
+        with _LayerByLayer(model):
+            plain = model(token, cache=cache).logits
+    alone = DeepseekV41Cache(model.config)
+    with torch.no_grad(), _LayerByLayer(model):
+        model(prompt[1:], cache=alone, attention_mask=mask[1:])
+        want = model(token[:1], cache=alone).logits
+    for row in (0, 1):  # (fast numerics: a batch of 2 rows is not added up as one row alone)
+        assert rel_l2(plain[row], want[0]) < 1e-2 and torch.equal(plain[row].argmax(-1), want[0].argmax(-1))
+
+
+def test_a_cache_reordered_under_inference_mode_continues_outside_it(fast):
+    model, ids = fast
+    cache = DeepseekV41Cache(model.config)
+    with torch.inference_mode():
+        model(ids[:2, :21], cache=cache)
+        cache.batch_select_indices(torch.tensor([0]))  # a smaller batch: new tensors
+    with torch.no_grad():
+        logits = model(torch.tensor([[7]]), cache=cache).logits
+    assert logits.shape[:2] == (1, 1)
+
+
+def test_generate_hands_over_the_cache_it_returns(fast, tiny_model):
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    first = tiny_model.generate(prompt, do_sample=False, max_new_tokens=4, return_dict_in_generate=True)
+    held = first.past_key_values
+    assert tiny_model.__dict__.get("_kept_cache") is not held
+    length = held.get_seq_length()
+    second = tiny_model.generate(prompt + 1, do_sample=False, max_new_tokens=4, return_dict_in_generate=True)
+    assert second.past_key_values is not held and held.get_seq_length() == length
+    with pytest.raises(DeepseekV41ModelError, match="'static' \\(the default\\) or 'dynamic'"):
+        tiny_model.generate(prompt, max_new_tokens=2, cache_implementation="offloaded")
+    # a continuation whose first forward is the caller's single token: checked at the entry
+    whole = torch.cat([first.sequences[:, :-1], torch.tensor([[tiny_model.config.text_config.vocab_size]])], 1)
+    with pytest.raises(DeepseekV41ModelError, match="must lie in"):
+        tiny_model.generate(whole, cache=held, max_new_tokens=2)
