@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from ..modeling.quantization_deepseek_v41_vl import act_quant, cast_to_e4m3, quant_fp4, round_scale_pow2
-from ..modeling.checkpoint_names_deepseek_v41_vl import BLOCK, DeepseekV41ConversionError, official_inventory
+from ..modeling.checkpoint_names_deepseek_v41_vl import DeepseekV41ConversionError, official_inventory
+from ..triton_ops.formats import BLOCK, E4M3_MAX
 from .staging import publish, staged_folder
 from .safetensors_io import SafetensorsWriter
 
@@ -204,7 +205,7 @@ def quantize_fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded = torch.nn.functional.pad(w.float(), (0, pc, 0, pr))
     blocks = padded.view((rows + pr) // BLOCK, BLOCK, (cols + pc) // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-4)
-    scale = round_scale_pow2(amax, torch.tensor(1.0 / 448.0))
+    scale = round_scale_pow2(amax, torch.tensor(1.0 / E4M3_MAX))
     q = cast_to_e4m3(blocks / scale[:, None, :, None]).view(rows + pr, cols + pc)[:rows, :cols].contiguous()
     return q, scale.to(torch.float8_e8m0fnu)
 

@@ -24,8 +24,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..modeling.checkpoint_names_deepseek_v41_vl import BLOCK, DTYPE_SIZES, DeepseekV41ConversionError, TensorPlan
+from ..modeling.checkpoint_names_deepseek_v41_vl import DTYPE_SIZES, DeepseekV41ConversionError, TensorPlan
 from ..modeling.state_dict_adapter_deepseek_v41_vl import SAFETENSORS_TO_TORCH, apply_plan
+from ..triton_ops.formats import BLOCK
 from .nonfinite import can_hold_nonfinite, check_finite, element, first_nonfinite
 from .safetensors_io import SafetensorsReader, SafetensorsWriter
 

@@ -36,11 +36,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+# fp8 weights: one e8m0 scale per 32x32 block; fp4 weights: one per 32 along `in`
+from ..triton_ops.formats import BLOCK
+
 TARGET_PREFIX = "model."
 # The compressed Engram token map the converter computes from the tokenizer (not in the source).
 TOKEN_MAP_NAME = "model.engram_hash.token_map"
-
-BLOCK = 32  # fp8 weights: one e8m0 scale per 32x32 block; fp4 weights: one per 32 along `in`
 
 # safetensors dtype string -> bytes per stored element.
 DTYPE_SIZES = {

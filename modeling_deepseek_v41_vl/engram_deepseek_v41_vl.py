@@ -32,15 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# Block of the fp8 Engram table: one e8m0 scale per 32 values of a row.
+from ..triton_ops.formats import BLOCK as ENGRAM_SCALE_BLOCK
 from .configuration_deepseek_v41_vl import DeepseekV41TextConfig
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, plan_for
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
 
 # A compressed id that stops every n-gram reaching back over it (`NgramHashState.DEAD`).
 DEAD = -1
-
-# Block of the fp8 Engram table: one e8m0 scale per 32 values of a row.
-ENGRAM_SCALE_BLOCK = 32
 
 
 class DeepseekV41EngramError(ValueError):

@@ -304,8 +304,10 @@ class DeepseekV41MoE(nn.Module):
         return answers[key]
 
     def _routed_kernels(self, x, weights, indices) -> torch.Tensor:
-        # fp32 [T, D]; no host sync: the expert table is built on the first call (and after moves)
-        return moe_experts_triton(x, weights, indices, self.expert_tables.get(self.experts))
+        # fp32 [T, D]; no host sync: the expert table is built on the first call (and after moves);
+        # the quantized-weight multiply ("scaled" / "manual") is the plan's, read once with it
+        mma = self.numerics.option("moe_experts_mma")
+        return moe_experts_triton(x, weights, indices, self.expert_tables.get(self.experts), mma=mma)
 
     def forward(self, hidden_states: torch.Tensor, image_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the MoE FFN.

@@ -10,7 +10,9 @@ Two modes (`configuration_deepseek_v41_vl.NUMERICS_MODES`, the one definition of
 
 Each op with a Triton kernel has one backend choice (``"auto"``, ``"triton"`` or ``"torch"``),
 read ONCE from its environment variable (:data:`KERNEL_ENV`) when the plan is made, or given as
-an override. "auto" means Triton for CUDA tensors, torch elsewhere.
+an override. "auto" means Triton for CUDA tensors, torch elsewhere. The kernels' other choices
+(:data:`KERNEL_OPTION_ENV`: how the routed-expert kernel multiplies quantized weights) are read the
+same way, once, into the plan (:meth:`DeepseekV41Numerics.option`).
 
 The model makes one plan at build time and every module that needs it holds that same object
 (attribute ``numerics``). `DeepseekV41Transformer.set_numerics` (or assigning
@@ -34,7 +36,10 @@ from ..triton_ops.fake_quant import ENV_BACKEND as FAKE_QUANT_ENV
 from ..triton_ops.hc_mix import ENV_BACKEND as HC_MIX_ENV
 from ..triton_ops.hc_sinkhorn import ENV_BACKEND as HC_SINKHORN_ENV
 from ..triton_ops.kernel_backend import BACKENDS, triton_available
+from ..triton_ops.moe_experts import DEFAULT_MMA as MOE_EXPERTS_DEFAULT_MMA
 from ..triton_ops.moe_experts import ENV_BACKEND as MOE_EXPERTS_ENV
+from ..triton_ops.moe_experts import ENV_MMA as MOE_EXPERTS_MMA_ENV
+from ..triton_ops.moe_experts import MMA_CHOICES as MOE_EXPERTS_MMA_CHOICES
 from ..triton_ops.moe_prefill import ENV_BACKEND as MOE_PREFILL_ENV
 from ..triton_ops.quant_linear import ENV_BACKEND as QUANT_LINEAR_ENV
 from ..triton_ops.rms_norm import ENV_BACKEND as RMS_NORM_ENV
@@ -57,6 +62,11 @@ KERNEL_ENV: dict[str, str | None] = {
     "moe_prefill": MOE_PREFILL_ENV,
     "vision_rope": VISION_ROPE_ENV,
     "swiglu": SWIGLU_ENV,
+}
+# kernel option -> (its environment variable, the allowed values, the default); read once per plan
+KERNEL_OPTION_ENV: dict[str, tuple[str, tuple[str, ...], str]] = {
+    # "scaled" (tl.dot_scaled) or "manual": how the routed-expert kernel multiplies quantized weights
+    "moe_experts_mma": (MOE_EXPERTS_MMA_ENV, MOE_EXPERTS_MMA_CHOICES, MOE_EXPERTS_DEFAULT_MMA),
 }
 # kernels whose outputs equal their torch fallbacks bit for bit: exact numerics may run them
 BITWISE_OPS = frozenset({"dequant", "fake_quant", "vision_rope"})
@@ -82,26 +92,42 @@ class DeepseekV41Numerics:
         mode: ``"fast"`` or ``"exact"``.
         kernels: ``((op, choice), ...)`` for every op of :data:`KERNEL_ENV`, choice ``"auto"``,
             ``"triton"`` or ``"torch"``.
+        options: ``((name, value), ...)`` for every option of :data:`KERNEL_OPTION_ENV` (a name
+            left out reads as its default).
 
     Make one with :meth:`resolve`.
     """
 
     mode: str
     kernels: tuple[tuple[str, str], ...]
+    options: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def resolve(cls, mode: str = "fast", **backends: str) -> "DeepseekV41Numerics":
         """The plan for `mode`, each op's backend from `backends` (op name -> choice) or else its
-        environment variable, read now.
+        environment variable, read now; likewise each kernel option (option name -> value, or
+        its variable, or its default).
 
         Raises:
-            DeepseekV41NumericsError: an unknown mode, op or backend name (from an argument or
-                an environment variable, which is named).
+            DeepseekV41NumericsError: an unknown mode, op, option, backend name or option value
+                (from an argument or an environment variable, which is named).
         """
         check_numerics_mode(mode, DeepseekV41NumericsError)
-        unknown = sorted(set(backends) - set(KERNEL_ENV))
+        unknown = sorted(set(backends) - set(KERNEL_ENV) - set(KERNEL_OPTION_ENV))
         if unknown:
-            raise DeepseekV41NumericsError(f"unknown kernel ops {unknown}; the ops are {sorted(KERNEL_ENV)}")
+            raise DeepseekV41NumericsError(
+                f"unknown kernel ops {unknown}; the ops are {sorted(KERNEL_ENV)}, the options {sorted(KERNEL_OPTION_ENV)}"
+            )
+        options = []
+        for name, (env_var, allowed, default) in KERNEL_OPTION_ENV.items():
+            if name in backends:
+                value, source = backends[name], f"{name}="
+            else:
+                value, source = os.environ.get(env_var) or default, f"${env_var}="
+            value = str(value).lower()
+            if value not in allowed:
+                raise DeepseekV41NumericsError(f"{source}{value!r}: {name} must be one of {allowed}")
+            options.append((name, value))
         kernels = []
         for op, env_var in KERNEL_ENV.items():
             if op in backends:
@@ -112,16 +138,16 @@ class DeepseekV41Numerics:
             if choice not in BACKENDS:
                 raise DeepseekV41NumericsError(f"{source}{choice!r}: a backend must be one of {BACKENDS}")
             kernels.append((op, choice))
-        return cls(mode, tuple(kernels))
+        return cls(mode, tuple(kernels), tuple(options))
 
     def replace(self, mode: str | None = None, **backends: str) -> "DeepseekV41Numerics":
-        """This plan with another mode and / or some ops' backends changed; the other ops keep
-        theirs (the environment is not read again).
+        """This plan with another mode and / or some ops' backends (or kernel options) changed;
+        the others keep theirs (the environment is not read again).
 
         Raises:
-            DeepseekV41NumericsError: an unknown mode, op or backend name.
+            DeepseekV41NumericsError: an unknown mode, op, option, backend name or option value.
         """
-        kept = {op: choice for op, choice in self.kernels if op not in backends}
+        kept = {op: choice for op, choice in self.kernels + self.options if op not in backends}
         plan = DeepseekV41Numerics.resolve(self.mode if mode is None else mode, **kept, **backends)
         return plan
 
@@ -139,6 +165,16 @@ class DeepseekV41Numerics:
             if name == op:
                 return choice
         raise DeepseekV41NumericsError(f"unknown kernel op {op!r}; the ops are {sorted(KERNEL_ENV)}")
+
+    def option(self, name: str) -> str:
+        """The value of kernel option `name` (:data:`KERNEL_OPTION_ENV`), e.g. ``"moe_experts_mma"``.
+
+        Raises:
+            DeepseekV41NumericsError: `name` is not one of :data:`KERNEL_OPTION_ENV`.
+        """
+        if name not in KERNEL_OPTION_ENV:
+            raise DeepseekV41NumericsError(f"unknown kernel option {name!r}; the options are {sorted(KERNEL_OPTION_ENV)}")
+        return dict(self.options).get(name, KERNEL_OPTION_ENV[name][2])
 
     def backend(self, op: str, device: torch.device) -> str:
         """``"triton"`` or ``"torch"``: what `op` runs for tensors on `device`. Exact numerics
@@ -199,6 +235,7 @@ __all__ = [
     "DeepseekV41Numerics",
     "DeepseekV41NumericsError",
     "KERNEL_ENV",
+    "KERNEL_OPTION_ENV",
     "NUMERICS_MODES",
     "apply_numerics",
     "as_numerics",

@@ -41,11 +41,13 @@ from ..triton_ops.fake_quant import ENV_BACKEND as _FAKE_QUANT_ENV_BACKEND
 from ..triton_ops.fake_quant import FP4_SCALE_FORMATS as FP4_KERNEL_SCALE_FORMATS
 from ..triton_ops.fake_quant import FP8_GROUP as FP8_KERNEL_GROUP
 from ..triton_ops.fake_quant import fake_quant_fp4_triton, fake_quant_fp8_triton, fp4_group_supported
+# the formats' one definition (`triton_ops/formats.py`), under this module's names: one scale per 32
+# activations / per 32x32 fp8 weight block / per 32 fp4 weights; e4m3's and E2M1's largest values
+from ..triton_ops.formats import BLOCK as QUANT_BLOCK
+from ..triton_ops.formats import E2M1_MAX as FP4_E2M1_MAX
+from ..triton_ops.formats import E4M3_MAX as FP8_E4M3_MAX
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
 
-FP8_E4M3_MAX = 448.0
-FP4_E2M1_MAX = 6.0
-QUANT_BLOCK = 32  # one scale per 32 activations / per 32x32 fp8 weight block / per 32 fp4 weights
 
 # The kernels multiply by the reciprocal held as an fp32 constant, not divide by the max.
 _INV_FP8_MAX = torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32)
@@ -257,7 +259,7 @@ def _fake_quant_fp4_torch(x: torch.Tensor, group: int, scale_fmt: str) -> torch.
     return (e2m1_round(v) * scale).flatten(-2).to(x.dtype)
 
 
-def quant_fp4(x: torch.Tensor, group: int = 32, scale_fmt: str = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
+def quant_fp4(x: torch.Tensor, group: int = QUANT_BLOCK, scale_fmt: str = "ue8m0") -> tuple[torch.Tensor, torch.Tensor]:
     """E2M1 quantization to packed codes. Mirrors `kernel.fp4_act_quant(inplace=False)`.
 
     Returns:

@@ -63,13 +63,17 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
+# fp8: 32 x 32 tile per scale; fp4: 32 consecutive values of a row per scale
+from .formats import BLOCK as SCALE_BLOCK
 from .kernel_backend import on_input_device, triton_interpret_mode
+
+if triton is not None:
+    from .formats import E8M0_BIAS_TL, bf16_rne
 
 __all__ = ["DequantizationError", "ENV_BACKEND", "dequantize_fp4_triton", "dequantize_fp8_triton"]
 
 # The variable `DeepseekV41Linear.dequantized_weight` reads through `kernel_backend.resolve_backend`.
 ENV_BACKEND = "DEEPSEEK_V41_DEQUANT_BACKEND"
-SCALE_BLOCK = 32  # fp8: 32 x 32 tile per scale; fp4: 32 consecutive values of a row per scale
 
 # Launch shapes, read at each call (benchmarks/dequant.py --sweep tries others). fp8: [32 rows,
 # groups * 32 columns] per program; fp4: [rows, groups * 32 values]. Both defaults give 32 values
@@ -97,19 +101,6 @@ if triton is not None:
         sb = sb.to(tl.int32)
         bits = tl.where(sb == 0, 0x00400000, tl.where(sb == 255, 0x7FFFFFFF, sb << 23))
         return bits.to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def bf16_rne(y):
-        """fp32 -> bf16 rounded to nearest even on the integer bits (subnormals included: the
-        interpreter's cast does not round them as the GPU does).
-
-        NaN needs its own case: adding the rounding bias to a NaN with low payload bits set (the
-        GPU's canonical 0x7FFFFFFF) would carry into the sign bit.
-        """
-        bits = y.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        rounded = tl.where(y != y, 0x7FC0, rounded)
-        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
     def _e4m3_scaled_f32(v):
@@ -252,7 +243,7 @@ if triton is not None:
 
         s_cols = group0 + tl.arange(0, GROUPS)
         # masked scales read as 127 (2^0): inside the common range, never stored
-        sb = tl.load(s_ptr + tl.program_id(0).to(tl.int64) * stride_s + s_cols, mask=s_cols < n_scale_cols, other=127)
+        sb = tl.load(s_ptr + tl.program_id(0).to(tl.int64) * stride_s + s_cols, mask=s_cols < n_scale_cols, other=E8M0_BIAS_TL)
         sb = sb.to(tl.int32)
         v = tl.load(w_ptr + row0.to(tl.int64) * stride_w + r * stride_w + col, mask=ok, other=0).to(tl.int32)
 
@@ -285,7 +276,7 @@ if triton is not None:
         g2 = group0 + tl.arange(0, GROUPS)[None, :]
         s_ok = (row0 + r2 < n_rows) & (g2 < n_groups)
         # masked scales read as 127 (2^0): inside the common range, never stored
-        sb = tl.load(s_ptr + row0.to(tl.int64) * stride_s + r2 * stride_s + g2, mask=s_ok, other=127).to(tl.int32)
+        sb = tl.load(s_ptr + row0.to(tl.int64) * stride_s + r2 * stride_s + g2, mask=s_ok, other=E8M0_BIAS_TL).to(tl.int32)
 
         r = r2[:, :, None]
         g = g2[:, :, None]

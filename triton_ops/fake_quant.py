@@ -50,13 +50,14 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
+from .formats import BLOCK as FP8_GROUP
 from .kernel_backend import kernel_interpreted, on_input_device, resolve_backend, triton_available, triton_interpret_mode
 
 if triton is not None:
+    from .formats import E2M1_MAX_TL, E4M3_MAX_TL
     from .quant_linear import _pow2_scale, _round_to_e4m3, _to_bf16_rne
 
 ENV_BACKEND = "DEEPSEEK_V41_FAKE_QUANT_BACKEND"
-FP8_GROUP = 32
 FP4_SCALE_FORMATS = ("e4m3", "ue8m0")
 MAX_GROUP = 1024  # the kernel takes power-of-two groups up to this size
 MAX_BLOCK_ELEMENTS = 2048  # elements per program (whole groups)
@@ -105,11 +106,11 @@ if triton is not None:
         """Group amax fp32 -> the fp4 group scale s (fp32), as `_fp4_group_scales`."""
         if E4M3_SCALE:
             floored = tl.maximum(amax, 0.01171875)  # 6 * 2^-9
-            scale = _round_to_e4m3(tl.minimum(tl.div_rn(floored, tl.full(floored.shape, 6.0, tl.float32)), 448.0))
+            scale = _round_to_e4m3(tl.minimum(tl.div_rn(floored, tl.full(floored.shape, E2M1_MAX_TL, tl.float32)), E4M3_MAX_TL))
         else:
             # 2^ceil(log2(amax * fp32(1/6))) from the product's bits, as round_scale_pow2
             # floor 6 * 2^-126; fp32(1/6) as torch's constant
-            prod = tl.maximum(amax, 7.052966104933725e-38) * 0.16666666666666666
+            prod = tl.maximum(amax, 7.052966104933725e-38) * (1.0 / E2M1_MAX_TL)
             bits = prod.to(tl.int32, bitcast=True)
             expo = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
             scale = (expo << 23).to(tl.float32, bitcast=True)
@@ -133,11 +134,11 @@ if triton is not None:
         if IS_FP4:
             scale = _fp4_scale(amax, E4M3_SCALE)
             scale_b = tl.broadcast_to(scale[:, None], x.shape)
-            v = tl.minimum(tl.maximum(tl.div_rn(x, scale_b), -6.0), 6.0)
+            v = tl.minimum(tl.maximum(tl.div_rn(x, scale_b), -E2M1_MAX_TL), E2M1_MAX_TL)
             y = _e2m1_round(v) * scale_b
         else:
             scale, inv_scale = _pow2_scale(amax)
-            v = tl.minimum(tl.maximum(x * inv_scale[:, None], -448.0), 448.0)
+            v = tl.minimum(tl.maximum(x * inv_scale[:, None], -E4M3_MAX_TL), E4M3_MAX_TL)
             y = _round_to_e4m3(v) * scale[:, None]
         tl.store(out_ptr + offs, _to_bf16_rne(y), mask=mask)
 

@@ -15,10 +15,11 @@ from typing import Sequence
 
 import torch
 
+from .formats import BLOCK as QUANT_GROUP  # activation fake-quant group and e8m0 weight-scale group along K
+
 __all__ = ["QUANT_GROUP", "ExpertTableCache", "ExpertWeightTable", "MoEExpertsError", "build_expert_table",
            "expert_table_key"]
 
-QUANT_GROUP = 32  # activation fake-quant group and e8m0 weight-scale group along K
 _FORMATS = {"bf16": 0, "fp4": 1, "fp8": 2}
 # weight offsets that are multiples of this many elements (>= 16 bytes) let the kernel promise
 # 16-byte alignment to Triton (vectorized, asynchronous weight loads)

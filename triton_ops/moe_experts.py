@@ -105,7 +105,9 @@ from .moe_expert_table import (  # noqa: F401 - the table's names, re-exported
 
 __all__ = [
     "ENV_BACKEND",
+    "DEFAULT_MMA",
     "ENV_MMA",
+    "MMA_CHOICES",
     "KERNEL_MAX_PAIRS",
     "MAX_PAIRS",
     "ExpertTableCache",
@@ -122,7 +124,15 @@ __all__ = [
 ]
 
 ENV_BACKEND = "DEEPSEEK_V41_MOE_EXPERTS_BACKEND"
-ENV_MMA = "DEEPSEEK_V41_MOE_EXPERTS_MMA"  # "scaled" or "manual": how quantized weights are multiplied
+# "scaled" or "manual": how quantized weights are multiplied. The model reads it once, into its
+# numerics plan (`numerics_deepseek_v41_vl.KERNEL_OPTION_ENV`), and passes the plan's choice as `mma`;
+# a direct call with ``mma=None`` reads it at call time.
+ENV_MMA = "DEEPSEEK_V41_MOE_EXPERTS_MMA"
+MMA_CHOICES = ("scaled", "manual")
+# measured on an H200 (triton 3.6, benchmarks/moe_experts.py, CUDA graphs, before split-K):
+# the manual decode reads the experts at 890-1240 GB/s with the PTX fp4 decode (710-850 with
+# the portable one), the dot_scaled upcast at 510-610
+DEFAULT_MMA = "manual"
 # The kernels target decode: the MoE sends calls with more (token, slot) pairs to its grouped path
 # (which reads expert counts on the host, so a step taking it cannot be a CUDA graph). 384 = a
 # decode step of 64 rows at the release's top-6: batches up to 64 decode on the graph-safe path.
@@ -219,6 +229,7 @@ def moe_experts_torch(x: torch.Tensor, weights: torch.Tensor, indices: torch.Ten
 # ---------------------------------------------------------------------------------------------
 if triton is not None:
     from .dequant import e8m0_to_bf16, e8m0_to_fp32, fp4_pairs_to_bf16_ptx
+    from .formats import BLOCK_TL, E4M3_MAX_TL
 
     @triton.jit
     def _round_bf16(v):
@@ -238,13 +249,13 @@ if triton is not None:
         # `fake_quant_fp8` of fp32 v [ROWS, COLS] (bf16 values) with the groups' amax [ROWS, COLS // GROUP]:
         # s = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))) by the exponent bits, q = e4m3(clamp(v/s)),
         # returns q*s (exact in bf16) as fp32
-        prod = tl.maximum(amax, 1e-4) * (1.0 / 448.0)
+        prod = tl.maximum(amax, 1e-4) * (1.0 / E4M3_MAX_TL)
         bits = prod.to(tl.int32, bitcast=True)
         expo = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
         scale = (expo << 23).to(tl.float32, bitcast=True)
         inv_scale = ((254 - expo) << 23).to(tl.float32, bitcast=True)  # 1/s, exact: s is a power of 2
         q = tl.reshape(v, (ROWS, COLS // GROUP, GROUP)) * inv_scale[:, :, None]
-        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        q = tl.minimum(tl.maximum(q, -E4M3_MAX_TL), E4M3_MAX_TL)
         # e4m3 round-to-nearest-even: 3 mantissa bits for |q| >= 2^-6; below, the subnormal step
         # 2^-9 is reached by rounding |q| + 2^-6 (in [2^-6, 2^-5): step 2^-9) and subtracting 2^-6
         mag = tl.abs(q)
@@ -276,14 +287,14 @@ if triton is not None:
         # FMT 2 (fp8), scaled: (e4m3 bytes [BLOCK_N, BLOCK_K], e8m0 scales [BLOCK_N, BLOCK_K/32])
         # FMT 2, manual: (w [BLOCK_N, BLOCK_K] bf16, same)
         # (single return: Triton wants one return type even across constexpr branches)
-        NG: tl.constexpr = BLOCK_K // 32
+        NG: tl.constexpr = BLOCK_K // BLOCK_TL
         g = tl.arange(0, NG)
         if FMT == 0:
             wa = tl.load(w_row_ptrs + k0 + tl.arange(0, BLOCK_K)[None, :])
             wb = wa
         elif FMT == 1:
             packed = tl.load(w_row_ptrs + k0 // 2 + tl.arange(0, BLOCK_K // 2)[None, :])
-            sc = tl.load(s_row_ptrs + k0 // 32 + g[None, :])
+            sc = tl.load(s_row_ptrs + k0 // BLOCK_TL + g[None, :])
             if MANUAL and PTX:
                 s = e8m0_to_bf16(sc.to(tl.int32))[:, :, None]
                 lo, hi = fp4_pairs_to_bf16_ptx(tl.reshape(packed, (BLOCK_N, NG, 16)), s)
@@ -301,11 +312,11 @@ if triton is not None:
                 wb = sc
         else:
             raw = tl.load(w_row_ptrs + k0 + tl.arange(0, BLOCK_K)[None, :])
-            sc = tl.load(s_row_ptrs + k0 // 32 + g[None, :])
+            sc = tl.load(s_row_ptrs + k0 // BLOCK_TL + g[None, :])
             if MANUAL:
                 v = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
                 s = e8m0_to_fp32(sc)[:, :, None]
-                wa = tl.reshape(tl.reshape(v, (BLOCK_N, NG, 32)) * s, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
+                wa = tl.reshape(tl.reshape(v, (BLOCK_N, NG, BLOCK_TL)) * s, (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
                 wb = wa
             else:
                 wa = raw
@@ -367,10 +378,10 @@ if triton is not None:
         # out[t] = fake_quant_fp8(x[t]) for one token row and BLOCK_G groups of 32 columns
         t = tl.program_id(0).to(tl.int64)
         groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
-        cols = groups[:, None] * 32 + tl.arange(0, 32)[None, :]
+        cols = groups[:, None] * BLOCK_TL + tl.arange(0, BLOCK_TL)[None, :]
         ok = cols < D
         v = tl.load(x_ptr + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-        q = _fake_quant_e4m3(v, _group_amax(v, BLOCK_G, 32, 32), BLOCK_G, 32, 32)
+        q = _fake_quant_e4m3(v, _group_amax(v, BLOCK_G, BLOCK_TL, BLOCK_TL), BLOCK_G, BLOCK_TL, BLOCK_TL)
         tl.store(out_ptr + t * D + cols, q.to(tl.bfloat16), mask=ok)
 
     @triton.jit
@@ -434,7 +445,7 @@ if triton is not None:
             wa_off = tl.multiple_of(wa_off, 16)
             wb_off = tl.multiple_of(wb_off, 16)
         if FMT == 2:
-            s_rows = (rows_ld // 32) * s_row_stride  # one fp8 scale per 32 x 32 block
+            s_rows = (rows_ld // BLOCK_TL) * s_row_stride  # one fp8 scale per 32 x 32 block
         else:
             s_rows = rows_ld * s_row_stride
         wa_rows = w_base + wa_off + rows_ld[:, None] * w_row_stride
@@ -494,7 +505,7 @@ if triton is not None:
         act = tl.div_rn(gate, 1.0 + tl.exp(-gate)) * up  # silu(g) * u, as torch
         res = _round_bf16(rw * act)
         if FMT != 0:
-            res = _fake_quant_e4m3(res, _group_amax(res, ROWS, COLS, 32), ROWS, COLS, 32)
+            res = _fake_quant_e4m3(res, _group_amax(res, ROWS, COLS, BLOCK_TL), ROWS, COLS, BLOCK_TL)
         return res
 
     @triton.jit
@@ -547,14 +558,11 @@ def _kernels_interpreted() -> bool:
 
 def _default_mma() -> str:
     choice = (os.environ.get(ENV_MMA) or "").lower()
-    if choice in ("scaled", "manual"):
+    if choice in MMA_CHOICES:
         return choice
     if choice:
         raise MoEExpertsError(f"{ENV_MMA} must be 'scaled' or 'manual', got {choice!r}")
-    # measured on an H200 (triton 3.6, benchmarks/moe_experts.py, CUDA graphs, before split-K):
-    # the manual decode reads the experts at 890-1240 GB/s with the PTX fp4 decode (710-850 with
-    # the portable one), the dot_scaled upcast at 510-610
-    return "manual"
+    return DEFAULT_MMA
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) per launch; the interpreter uses small tiles (speed)
@@ -614,7 +622,7 @@ def moe_experts_triton(
     if table.offsets.device != x.device:
         raise MoEExpertsError(f"the expert table is on {table.offsets.device}, x on {x.device}")
     mma = _default_mma() if mma is None else mma
-    if mma not in ("scaled", "manual"):
+    if mma not in MMA_CHOICES:
         raise MoEExpertsError(f"mma must be 'scaled' or 'manual', got {mma!r}")
     n_tokens, top_k = indices.shape
     n_pairs = n_tokens * top_k

@@ -50,7 +50,8 @@ from .kernel_backend import triton_interpret_mode
 from .moe_expert_table import _FORMATS, QUANT_GROUP, ExpertWeightTable
 
 if triton is not None:
-    from .dequant import _e4m3_scaled_f32, bf16_rne, e8m0_to_fp32, fp4_tile_to_bf16
+    from .dequant import _e4m3_scaled_f32, e8m0_to_fp32, fp4_tile_to_bf16
+    from .formats import E8M0_BIAS_TL, bf16_rne
     from .moe_experts import _fake_quant_rows_kernel
 
 __all__ = [
@@ -116,7 +117,7 @@ if triton is not None:
             else:
                 s_ptrs = s_base + s_off + (r2 // 32).to(tl.int64) * n_groups + g2  # one per 32 x 32 tile
             # masked scales read as 127 (2^0): inside the common range, never stored
-            sb = tl.load(s_ptrs, mask=ok2, other=127).to(tl.int32)
+            sb = tl.load(s_ptrs, mask=ok2, other=E8M0_BIAS_TL).to(tl.int32)
             if FMT == 1:
                 byte = tl.arange(0, 16)[None, None, :]
                 u = tl.load(w_base + w_off + r * (K // 2) + g * 16 + byte, mask=ok2[:, :, None] & (byte < 16), other=0)

@@ -59,6 +59,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
+from .formats import BLOCK as GROUP  # activation group / weight scale block along K
 from .kernel_backend import kernel_interpreted, on_input_device, resolve_backend, triton_available, triton_interpret_mode
 
 ENV_BACKEND = "DEEPSEEK_V41_QUANT_LINEAR_BACKEND"
@@ -66,7 +67,6 @@ ENV_BACKEND = "DEEPSEEK_V41_QUANT_LINEAR_BACKEND"
 # weight bytes are amortised over many rows and the dequantize + cuBLAS path is likely the better
 # one (the kernel is correct for any M, tiling rows by 16, but re-reads W per 16 rows).
 QUANT_LINEAR_MAX_ROWS = 16
-GROUP = 32  # activation group / weight scale block along K
 _BLOCK_M = 16  # tl.dot's smallest tile side
 # programs per SM the split-K heuristic aims for, and the fewest K groups a split may get
 _PROGRAMS_PER_SM = 2
@@ -131,11 +131,12 @@ def _kernel_is_interpreted() -> bool:
 
 if triton is not None:
     from .dequant import e4m3_to_bf16_ptx, e8m0_to_fp32
+    from .formats import E4M3_MAX_TL, E8M0_BIAS_TL
 
     @triton.jit
     def _pow2_scale(amax):
         """amax fp32 -> (s, 1/s): s = 2^ceil(log2(max(amax, 1e-4) * fp32(1/448))), as round_scale_pow2."""
-        prod = tl.maximum(amax, 1e-4) * 0.002232142857142857
+        prod = tl.maximum(amax, 1e-4) * (1.0 / E4M3_MAX_TL)
         bits = prod.to(tl.int32, bitcast=True)
         expo = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
         scale = (expo << 23).to(tl.float32, bitcast=True)
@@ -165,7 +166,7 @@ if triton is not None:
     def _fake_quant_cols(x, scale, inv_scale):
         """x fp32 [L, BM] (columns = rows of the activation) -> q * s as bf16, per column scale."""
         v = x * inv_scale[None, :]
-        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v, -E4M3_MAX_TL), E4M3_MAX_TL)
         return (_round_to_e4m3(v) * scale[None, :]).to(tl.bfloat16)
 
     @triton.jit
@@ -250,7 +251,7 @@ if triton is not None:
                     w_hi = hi.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
                     part = _dot(w_lo, xq_even, DOT_FP32)
                     part += _dot(w_hi, xq_odd, DOT_FP32)
-                    s_byte = tl.load(s_ptr + offs_n * stride_sn + gi, mask=s_mask, other=127)
+                    s_byte = tl.load(s_ptr + offs_n * stride_sn + gi, mask=s_mask, other=E8M0_BIAS_TL)
                     w_scale = e8m0_to_fp32(s_byte) * 64.0
                 else:
                     kk = tl.arange(0, 32)
@@ -266,7 +267,7 @@ if triton is not None:
                     else:
                         w = w8.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
                     part = _dot(w, xq, DOT_FP32)
-                    s_byte = tl.load(s_ptr + (offs_n // 32) * stride_sn + gi, mask=s_mask, other=127)
+                    s_byte = tl.load(s_ptr + (offs_n // 32) * stride_sn + gi, mask=s_mask, other=E8M0_BIAS_TL)
                     w_scale = e8m0_to_fp32(s_byte)
                 acc += part * w_scale[:, None]
 
