@@ -141,10 +141,12 @@ class DecodeLoop:
 
     @torch.no_grad()
     def steps(self, n: int) -> None:
-        for _ in range(n):
-            self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
-            self.token = self.model(input_ids=self.token, attention_mask=self.mask, past_key_values=self.cache,
-                                    use_cache=True).logits.argmax(-1)
+        # as generate's loop issues them: its own tokens, not read back by the model per step
+        with self.model.model.decode_runner.trusting():
+            for _ in range(n):
+                self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
+                self.token = self.model(input_ids=self.token, attention_mask=self.mask, past_key_values=self.cache,
+                                        use_cache=True).logits.argmax(-1)
 
 
 def forward_loop_ms(model, inputs, steps: int, device) -> float:

@@ -358,6 +358,18 @@ class DeepseekV41Attention(nn.Module):
         kv = torch.cat([own.window_kv, compressed], dim=1)
         return self._sparse(q, kv, torch.cat([window_idxs, topk_idxs], dim=-1))
 
+    def make_decode_rows(self, own) -> None:
+        """Before a decode step: the row buffers this kv source writes (compressed KV, and index
+        keys for an owner), empty when its prefill completed no group yet (a prompt shorter than
+        the group). `own` is this layer's cache entry, filled by the prefill."""
+        if not self.is_kv_source:
+            return
+        ring = own.window_kv
+        if own.compressed_kv is None:
+            own.compressed_kv = own.row_buffer("compressed_kv", ring[:, :0], self.ratio)
+        if self.indexer is not None and self.indexer.owns_k and own.index_k is None:
+            own.index_k = own.row_buffer("index_k", ring.new_empty(ring.size(0), 0, self.indexer.head_dim), 1)
+
     def _decode_compress(self, x: torch.Tensor, freqs: torch.Tensor, own, step: DeepseekV41DecodeStep) -> None:
         """A kv source's part of a decode step: the latent of each row's current group (see
         :meth:`decode_step`), its compressed-KV row and index key written at row position // ratio,

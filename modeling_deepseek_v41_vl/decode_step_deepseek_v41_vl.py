@@ -253,6 +253,8 @@ class DeepseekV41DecodeRunner:
             widths[ratio] = -(-rows // ratio)
             if attention.max_cache_len is None:
                 widths[ratio] = decode_rows(widths[ratio])
+        for layer in model.layers:
+            layer.attn.make_decode_rows(attention.layer(layer.layer_idx))
         if attention.max_cache_len is None:
             for layer in model.layers:
                 own = attention.layer(layer.layer_idx)

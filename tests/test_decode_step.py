@@ -125,6 +125,23 @@ def test_engine_steps_follow_the_layer_by_layer_forward(fast, max_cache_len, pad
             assert rel_l2(other.compressed_kv.rows(n).float(), state.compressed_kv.rows(n).float()) < 2e-2, i
 
 
+@pytest.mark.parametrize("length", [1, 2, 3])
+def test_engine_steps_after_a_prompt_shorter_than_a_group(fast, length):
+    """The first compressed rows of a ratio-2 source are made by decode steps."""
+    model, ids = fast
+    prompt = ids[:1, :length]
+    tokens = _greedy(model, prompt, STEPS)
+    plain, plain_cache = _decode(model, prompt, tokens, engine=False)
+    engine, engine_cache = _decode(model, prompt, tokens, engine=True, max_cache_len=length + STEPS)
+    assert _bookkeeping(engine_cache) == _bookkeeping(plain_cache)
+    for i, state in plain_cache.attention.layers.items():
+        for kind in ("compressed_kv", "index_k"):
+            want, got = getattr(state, kind), getattr(engine_cache.attention.layer(i), kind)
+            if want is not None:
+                assert got.storage().dtype == want.storage().dtype, (i, kind)
+    assert torch.equal(engine.argmax(-1), plain.argmax(-1)) and rel_l2(engine, plain) < 1e-2
+
+
 def test_a_left_padded_row_decodes_as_it_does_alone(fast):
     model, ids = fast
     short, long = ids[:1, :13], ids[:1, :21]
