@@ -12,6 +12,7 @@ is the decode runner's (`decode_step_deepseek_v41_vl.py`).
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Callable
 
@@ -101,7 +102,9 @@ class GraphedSegment:
         if not tensors:
             raise ValueError("GraphedSegment needs at least one tensor argument")
         device = tensors[0].device
-        with torch.cuda.device(device):
+        # one replay at a time per device: the graphs share a memory pool, so another thread's
+        # replay between this one and its output clones would overwrite the outputs
+        with _REPLAY_LOCK, torch.cuda.device(device):
             key = (self._signature(args), key)
             entry = self._graphs.get(key)
             if entry is None:
@@ -120,6 +123,7 @@ class GraphedSegment:
 
 
 _GRAPH_POOLS: dict = {}
+_REPLAY_LOCK = threading.RLock()
 
 
 def graph_pool(device: torch.device):

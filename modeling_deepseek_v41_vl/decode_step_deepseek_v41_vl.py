@@ -178,7 +178,6 @@ class DeepseekV41DecodeRunner:
         self.graphs = True
         self.captures = 0
         self._watched: tuple[int, list] | None = None  # (structure version, modules)
-        self._scratch: dict = {}
         _StructureVersion.install()
 
     @contextlib.contextmanager
@@ -282,7 +281,7 @@ class DeepseekV41DecodeRunner:
         batch, device = input_ids.size(0), input_ids.device
         start = cache.get_seq_length()
         widths = self.widths(model, cache)
-        column = self._column(device).fill_(start)
+        column = torch.full((1,), start, dtype=torch.int64, device=device)  # this call's own (threads)
         publisher = attention.publisher_rows(batch, device)
         args = (input_ids, column, attention.pad_offsets, publisher, cache.engram_history)
         if self._replays(model, batch, device):
@@ -303,13 +302,6 @@ class DeepseekV41DecodeRunner:
             cache.engram_history = history
         cache.record_tokens(1)
         return logits, hidden
-
-    def _column(self, device: torch.device) -> torch.Tensor:
-        held = self._scratch.get(device)
-        if held is None:
-            with torch.inference_mode(False):
-                held = self._scratch[device] = torch.zeros(1, dtype=torch.int64, device=device)
-        return held
 
     def _commit(self, model, cache: DeepseekV41Cache, start: int, publisher: torch.Tensor) -> None:
         """The host side of a step at column `start`: rows held by each compressed buffer and the

@@ -17,7 +17,7 @@ from transformers import GenerationMixin
 from transformers.generation.logits_process import SuppressTokensLogitsProcessor
 
 from .cache_deepseek_v41_vl import DeepseekV41Cache
-from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
+from .exceptions_deepseek_v41_vl import DeepseekV41CacheError, DeepseekV41ModelError
 from .conversation_deepseek_v41_vl import images_per_row, select_images
 
 
@@ -89,6 +89,7 @@ class DeepseekV41GenerationMixin(GenerationMixin):
 
         Raises:
             DeepseekV41ModelError: another ``cache_implementation``.
+            DeepseekV41CacheError: a `generation_config.max_cache_len` that is not an int >= 1.
         """
         given = model_kwargs.get("cache")
         if given is None and model_kwargs.get("past_key_values") is not None:
@@ -108,7 +109,10 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         if max_cache_length is None or implementation == "dynamic":
             model_kwargs["cache"] = DeepseekV41Cache(self.config)
             return
-        needed = max(max_cache_length, getattr(generation_config, "max_cache_len", None) or 0)
+        asked = getattr(generation_config, "max_cache_len", None)
+        if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
+            raise DeepseekV41CacheError(f"generation_config.max_cache_len must be None or an int >= 1, got {asked!r}")
+        needed = max(max_cache_length, asked or 0)
         with _KEPT_CACHE_LOCK:
             kept = self.__dict__.get("_kept_cache")
             if kept is not None and kept._in_generate is not None:

@@ -230,8 +230,8 @@ class DeepseekV41Indexer(nn.Module):
             candidate_blocks: candidate users: the candidate source's kept block ids ``[B, 1, kb]``.
 
         Returns:
-            int32 ``[B, 1, min(index_topk, W)]`` indices (-1 = none), unsorted (as the fast
-            one-token path of :meth:`_select`), and for the candidate source its kept block ids
+            int32 ``[B, 1, min(index_topk, W)]`` indices (-1 = none), unsorted, ties to the lower
+            position (as the fast one-token path of :meth:`_select`), and for the candidate source its kept block ids
             ``[B, 1, min(candidate_topk_blocks, ceil(W / block))]`` (-1 = none), else None.
         """
         width = keys.size(1)
@@ -248,7 +248,9 @@ class DeepseekV41Indexer(nn.Module):
                 raise DeepseekV41AttentionError(f"layer {self.layer_id} uses candidates but none were published")
             keep = candidate_mask_from_blocks(candidate_blocks, width, self.candidate_block_size)
             scores = scores.masked_fill(~keep, -torch.inf)
-        picked = scores.topk(min(self.index_topk, width), dim=-1, sorted=False).indices
+        # ties go to the lower position: the picks do not depend on the width ranked (a static
+        # cache's capacity, a growing cache's bucket) nor on the other rows of the batch
+        picked = _topk_ties_by_position(scores, min(self.index_topk, width))
         return torch.where(picked < visible, picked + offset, -1).int(), blocks
 
     def _candidate_mask(self, state: DeepseekV41AttentionState, rows: slice, width: int, batch: slice) -> torch.Tensor:
@@ -365,12 +367,13 @@ class DeepseekV41Indexer(nn.Module):
         elif self.uses_candidates:
             scores = scores.masked_fill(~self._candidate_mask(state, rows, n_keys, batch), -torch.inf)
 
-        if self.numerics.exact or state.pad_offsets is None:
+        if self.numerics.exact or (state.pad_offsets is None and not one_step):
             # torch.topk's tie choice: the reference's (exact mode ranks each padded row alone)
             picked = scores.topk(min(k, n_keys), dim=-1, sorted=False).indices
         else:
-            # fast numerics with left padding ranks the batch at once: ties by position, so a
-            # padded row's choice does not depend on the other rows' lengths
+            # fast numerics with left padding ranks the batch at once, and a one-token step ranks
+            # as the decode engine does: ties by position, so the choice depends neither on the
+            # width ranked nor on the other rows' lengths
             picked = _topk_ties_by_position(scores, min(k, n_keys))
         if not one_step or self.numerics.exact:
             # ascending positions: the reference's order, in which the attention adds them up; a fast

@@ -12,12 +12,19 @@ eagerly on the CPU (its CUDA-graph replay is tested in tests/test_gpu.py).
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import pytest
 import torch
 
 from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import decode_window_idxs, decode_window_idxs_at
 from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
-from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41AttentionError, DeepseekV41ModelError
+from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import (
+    DeepseekV41AttentionError,
+    DeepseekV41CacheError,
+    DeepseekV41ModelError,
+)
 
 from golden_models import golden_model, run_inputs
 from helpers import rel_l2
@@ -297,3 +304,66 @@ def test_generate_hands_over_the_cache_it_returns(fast, tiny_model):
     whole = torch.cat([first.sequences[:, :-1], torch.tensor([[tiny_model.config.text_config.vocab_size]])], 1)
     with pytest.raises(DeepseekV41ModelError, match="must lie in"):
         tiny_model.generate(whole, cache=held, max_new_tokens=2)
+
+
+@contextlib.contextmanager
+def _fast(model):
+    model.set_numerics("fast")
+    try:
+        yield model
+    finally:
+        model.set_numerics("exact")
+
+
+def test_static_and_growing_caches_generate_the_same_tokens(tiny_model):
+    """Past index_topk compressed positions the picks are ranked over the cache's width: ties go
+    to the lower position, so a static cache (its capacity) and a growing one (a bucket) keep the
+    same picks, and the greedy tokens agree."""
+    prompt = torch.randint(0, 400, (1, 40), generator=torch.Generator().manual_seed(40))
+    with _fast(tiny_model):
+        static = tiny_model.generate(prompt, do_sample=False, max_new_tokens=30)
+        longer = tiny_model.generate(prompt, do_sample=False, max_new_tokens=30, max_cache_len=100)
+        dynamic = tiny_model.generate(prompt, do_sample=False, max_new_tokens=30, cache_implementation="dynamic")
+    assert torch.equal(static, dynamic) and torch.equal(static, longer)
+    for bad in ("x", -5, 0, True):
+        with pytest.raises(DeepseekV41CacheError, match="max_cache_len must be None or an int >= 1"):
+            tiny_model.generate(prompt, max_new_tokens=1, max_cache_len=bad)
+
+
+def test_threads_generating_at_once_get_their_own_tokens(tiny_model):
+    prompts = [torch.randint(0, 400, (1, 6 + i), generator=torch.Generator().manual_seed(50 + i)) for i in range(3)]
+    with _fast(tiny_model):
+        alone = [tiny_model.generate(p, do_sample=False, max_new_tokens=6) for p in prompts]
+        together = [None] * len(prompts)
+
+        def run(i):
+            together[i] = tiny_model.generate(prompts[i], do_sample=False, max_new_tokens=6)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))
+
+
+def test_a_step_ranks_ties_by_position_whatever_the_width(fast):
+    """Equal index scores at the top-k boundary (the relu makes many exactly 0) go to the lower
+    positions, so the picks do not depend on the width the step ranks."""
+    model, _ = fast
+    indexer = next(
+        layer.attn.indexer for layer in model.layers
+        if layer.attn.indexer is not None and not layer.attn.indexer.is_candidate_source and not layer.attn.indexer.uses_candidates
+    )
+    gen = torch.Generator().manual_seed(3)
+    q = torch.rand(1, 1, indexer.n_heads, indexer.head_dim, generator=gen).to(torch.bfloat16)
+    weights = torch.ones(1, 1, indexer.n_heads)
+    visible, k = 20, indexer.index_topk
+    picks = []
+    for width in (visible, 24, 64, 300, 1000):
+        keys = torch.randn(1, width, indexer.head_dim, generator=gen).to(torch.bfloat16)  # past `visible`: masked
+        keys[:, :visible] = 0  # every visible score 0: all tied ...
+        keys[:, :3] = q[0, 0, 0]  # ... but three
+        idxs, _ = indexer.decode_select(q, weights, keys, torch.tensor([visible]).view(1, 1, 1), 0)
+        picks.append(sorted(idxs.flatten().tolist()))
+    assert all(p == list(range(k)) for p in picks), picks
