@@ -21,6 +21,7 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -49,32 +50,68 @@ def cache_root() -> Path:
     return Path(base) / "deepseek-v41-vl"
 
 
+# written into the tiny model folder: the digest of the package code its remote-code copy came from
+CODE_STAMP = "deepseek_v41_vl_code.sha256"
+
+
+def code_digest() -> str:
+    """sha256 of the package's Python sources that a converted folder copies as remote code."""
+    from deepseek_v41_vl.conversion.bundle import source_folders
+
+    digest = hashlib.sha256()
+    for name, folder in sorted(source_folders().items()):
+        for path in sorted(folder.glob("*.py")):
+            digest.update(f"{name}/{path.name}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def ensure_tiny_model(seed: int = 0, log=print) -> Path:
-    """The converted tiny model folder ``cache_root()/tiny-<seed>``, built on first use.
+    """The converted tiny model folder ``cache_root()/tiny-<seed>``, built on first use, and built
+    again when the package code changed since (its remote-code copy would be stale: a user
+    loading it with ``trust_remote_code=True`` would run the old code).
 
     `make_tiny` writes the official-format checkpoint into a scratch folder next to it and
-    `convert_checkpoint` builds the model folder under a temporary name and renames it into place
-    when complete, so an interrupted build leaves no half folder; a concurrent build that finished
-    first is used as is.
+    `convert_checkpoint` builds the model folder under a temporary name, which is moved into place
+    when complete (a stale folder is moved aside first and then removed), so an interrupted build
+    leaves no half folder; a concurrent build that finished first is used as is.
     """
     from deepseek_v41_vl.modeling.checkpoint_names_deepseek_v41_vl import DeepseekV41ConversionError
     from deepseek_v41_vl.conversion.convert import convert_checkpoint
     from deepseek_v41_vl.conversion.make_tiny import make_tiny
 
     target = cache_root() / f"tiny-{seed}"
-    if (target / "config.json").is_file():
+    digest = code_digest()
+
+    def current() -> bool:
+        stamp = target / CODE_STAMP
+        return (target / "config.json").is_file() and stamp.is_file() and stamp.read_text().strip() == digest
+
+    if current():
         return target
+    stale = (target / "config.json").is_file()
     target.parent.mkdir(parents=True, exist_ok=True)
-    log(f"building the tiny model (seed {seed}) in {target} (once) ...")
+    log(f"building the tiny model (seed {seed}) in {target} ({'its code changed' if stale else 'once'}) ...")
     scratch = Path(tempfile.mkdtemp(prefix=f".tiny-{seed}-official-", dir=target.parent))
     try:
         make_tiny(scratch / "official", seed=seed, variant="fp8")
+        built = scratch / "model"
+        convert_checkpoint(scratch / "official", built, progress=False)
+        (built / CODE_STAMP).write_text(digest + "\n")
+        if target.exists():
+            if current():  # another process finished first
+                return target
+            target.rename(scratch / "stale")  # removed with the scratch folder
         try:
-            convert_checkpoint(scratch / "official", target, progress=False)
-        except DeepseekV41ConversionError:
-            if (target / "config.json").is_file():  # another process finished first
+            built.rename(target)
+        except OSError:
+            if current():  # another process finished first
                 return target
             raise
+    except DeepseekV41ConversionError:
+        if current():
+            return target
+        raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return target

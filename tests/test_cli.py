@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from deepseek_v41_vl.cli import bundled_photo, cache_root, ensure_tiny_model, main
+from deepseek_v41_vl.cli import CODE_STAMP, bundled_photo, cache_root, code_digest, ensure_tiny_model, main
 from deepseek_v41_vl.processing.image_processing_deepseek_v41_vl import DeepseekV41ImageProcessor
 
 
@@ -56,6 +56,12 @@ def test_run_default_builds_the_tiny_model_once_and_uses_the_bundled_photo(cache
     assert main(["run", "--max-new-tokens", "2"]) == 0
     assert "building" not in capsys.readouterr().out
     assert ensure_tiny_model(0) == model_dir
+    # built by other code (its remote-code copy is stale): built again, in place
+    (model_dir / CODE_STAMP).write_text("0" * 64 + "\n")
+    assert ensure_tiny_model(0) == model_dir
+    assert "its code changed" in capsys.readouterr().out
+    assert (model_dir / CODE_STAMP).read_text().strip() == code_digest()
+    assert not [p for p in model_dir.parent.iterdir() if p.name.startswith(".")]
 
 
 def test_run_two_images(golden, cache_home, capsys):
