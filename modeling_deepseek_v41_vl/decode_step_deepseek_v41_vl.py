@@ -227,14 +227,18 @@ class DeepseekV41DecodeRunner:
 
     def _replays(self, model, batch: int, device: torch.device) -> bool:
         """Whether a step of `batch` rows on `device` replays from a CUDA graph: graphs on, CUDA,
-        not inside a compile or another capture, and every op of the step free of host
-        synchronisation (the Triton sparse attention; the MoE's expert kernels at this batch)."""
+        not inside a compile or another capture, every op of the step free of host
+        synchronisation (the Triton sparse attention; the MoE's expert kernels at this batch) and
+        every Engram table on `device`."""
         if not (self.graphs and device.type == "cuda"):
             return False
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return False
         return all(
             layer.attn.sparse_attention_graph_safe(device) and layer.ffn.runs_without_host_sync(batch, device)
+            # Engram tables kept in host memory (`device_map` placing them on the CPU) are read
+            # through host copies, which a graph cannot hold
+            and (layer.engram is None or all(p.device == device for p in layer.engram.parameters()))
             for layer in model.layers
         )
 
