@@ -84,8 +84,10 @@ def ensure_tiny_model(seed: int = 0, log=print) -> Path:
     digest = code_digest()
 
     def current() -> bool:
-        stamp = target / CODE_STAMP
-        return (target / "config.json").is_file() and stamp.is_file() and stamp.read_text().strip() == digest
+        try:  # (another process may be moving the folder)
+            return (target / "config.json").is_file() and (target / CODE_STAMP).read_text().strip() == digest
+        except OSError:
+            return False
 
     if current():
         return target
@@ -98,14 +100,14 @@ def ensure_tiny_model(seed: int = 0, log=print) -> Path:
         built = scratch / "model"
         convert_checkpoint(scratch / "official", built, progress=False)
         (built / CODE_STAMP).write_text(digest + "\n")
-        if target.exists():
-            if current():  # another process finished first
-                return target
-            target.rename(scratch / "stale")  # removed with the scratch folder
         try:
+            if target.exists():
+                if current():  # another process finished first
+                    return target
+                target.rename(scratch / "stale")  # removed with the scratch folder
             built.rename(target)
         except OSError:
-            if current():  # another process finished first
+            if current():  # another process finished first (or moved the stale folder)
                 return target
             raise
     except DeepseekV41ConversionError:

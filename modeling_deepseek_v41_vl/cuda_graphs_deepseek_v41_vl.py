@@ -82,7 +82,9 @@ class GraphedSegment:
             self.fn(context, *inputs)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=_capture_stream(stream.device)):
+        # thread_local: another thread's eager work meanwhile (a prefill) neither fails nor
+        # invalidates this capture
+        with torch.cuda.graph(graph, pool=self.pool, stream=_capture_stream(stream.device), capture_error_mode="thread_local"):
             outputs = self.fn(context, *inputs)
         return graph, inputs, outputs
 
@@ -104,7 +106,7 @@ class GraphedSegment:
         device = tensors[0].device
         # one replay at a time per device: the graphs share a memory pool, so another thread's
         # replay between this one and its output clones would overwrite the outputs
-        with _REPLAY_LOCK, torch.cuda.device(device):
+        with _replay_lock(device), torch.cuda.device(device):
             key = (self._signature(args), key)
             entry = self._graphs.get(key)
             if entry is None:
@@ -123,7 +125,14 @@ class GraphedSegment:
 
 
 _GRAPH_POOLS: dict = {}
-_REPLAY_LOCK = threading.RLock()
+_REPLAY_LOCKS: dict = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def _replay_lock(device: torch.device) -> threading.RLock:
+    """One lock per device: a replay and its output clones happen together (one stream assumed)."""
+    with _LOCKS_GUARD:
+        return _REPLAY_LOCKS.setdefault(torch.device(device).index, threading.RLock())
 
 
 def graph_pool(device: torch.device):

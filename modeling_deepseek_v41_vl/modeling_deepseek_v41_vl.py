@@ -153,7 +153,8 @@ class DeepseekV41Transformer(nn.Module):
         Args:
             numerics: ``"fast"`` or ``"exact"``; None keeps the config's mode.
             backends: op name -> ``"auto"`` / ``"triton"`` / ``"torch"`` (`numerics_deepseek_v41_vl.
-                KERNEL_ENV` names the ops); the other ops keep the backends of the current plan.
+                KERNEL_ENV` names the ops), or a kernel option -> its value (`KERNEL_OPTION_ENV`:
+                ``moe_experts_mma="scaled"`` / ``"manual"``); the rest keep the current plan's.
 
         Returns:
             The new plan.

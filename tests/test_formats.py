@@ -59,9 +59,8 @@ def test_kernel_constants_and_helpers_come_from_formats():
     ]:
         for name in names:
             assert getattr(module, name) is getattr(formats, name), (module.__name__, name)
-    from deepseek_v41_vl.triton_ops import sparse_attention, vision_rope
-
-    assert sparse_attention.bf16_rne is formats.bf16_rne and vision_rope.bf16_rne is formats.bf16_rne
+    # sparse_attention and vision_rope decorate their kernels lazily, per interpreter mode, so
+    # they keep the rounding inline: a helper decorated at import would be of the wrong mode
 
 
 def test_moe_mma_is_read_into_the_plan(monkeypatch):

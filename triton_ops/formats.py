@@ -8,10 +8,14 @@
 - :data:`E8M0_BIAS`: the e8m0 exponent bias, 127: a scale byte ``b`` is ``2^(b - 127)``, so the
   byte 127 is the scale 1.
 
-Every other module imports these (the torch code, the converter, the kernels' launch checks);
-a new copy is caught by ``tests/test_formats.py``. Inside ``@triton.jit`` code a module global must
-be a ``tl.constexpr`` instance, so the kernels read the ``*_TL`` twins (same values, built from the
-Python constants above) and call :func:`bf16_rne`, the one fp32 -> bf16 rounding on the bits.
+The named constants of the other modules are these (the torch code, the converter, the kernels'
+launch checks; ``tests/test_formats.py`` checks the names, not literals inside kernels). Inside
+``@triton.jit`` code a module global must be a ``tl.constexpr`` instance, so the kernels read the
+``*_TL`` twins (same values, built from the Python constants above); the kernels decorated at
+import call :func:`bf16_rne` for the fp32 -> bf16 rounding on the bits. Two exceptions keep their
+own copies: the kernels decorated lazily per interpreter mode (`sparse_attention`, `vision_rope`:
+a helper decorated at import would be of the wrong mode) write the same rounding inline, and
+`quant_linear._to_bf16_rne` (used by five kernels) differs on NaN.
 This module imports nothing of the package (the kernels, the modeling and the converter import it).
 """
 

@@ -145,7 +145,6 @@ def sparse_attention_torch(
 # Triton kernel
 # ---------------------------------------------------------------------------------------------
 if triton is not None:
-    from .formats import bf16_rne
 
     def _sparse_attn_kernel(
         q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr,
@@ -235,7 +234,10 @@ if triton is not None:
         sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0)
         denom += tl.exp(sink - run_max)
         out = tl.div_rn(acc, denom[:, None])
-        out_bf16 = bf16_rne(out)  # NaN (from NaN inputs) stays a quiet NaN
+        bits = out.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        bits = tl.where(out != out, 0x7FC00000, bits)  # NaN (from NaN inputs) stays a quiet NaN
+        out_bf16 = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         out_ptrs = out_ptr + b * stride_ob + m * stride_om + heads.to(tl.int64)[:, None] * stride_oh + dv[None, :]
         tl.store(out_ptrs, out_bf16, mask=head_ok[:, None] & (dv[None, :] < HEAD_DIM))
 

@@ -82,7 +82,6 @@ def rotate_half_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 # Triton kernel
 # ---------------------------------------------------------------------------------------------
 if triton is not None:
-    from .formats import bf16_rne
 
     def _vision_rope_kernel(
         q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
@@ -122,7 +121,10 @@ if triton is not None:
         if ROUND_BF16:
             # fp32 -> bf16 round-to-nearest-even on the bits, as torch does: Triton's CPU
             # interpreter truncates instead, and on the GPU this equals cvt.rn.bf16.f32.
-            tl.store(out_ptrs, bf16_rne(y), mask=mask)  # NaN stays a quiet NaN
+            bits = y.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            bits = tl.where(y != y, 0x7FC00000, bits)  # NaN stays a quiet NaN
+            tl.store(out_ptrs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
         else:
             tl.store(out_ptrs, y.to(q_out_ptr.dtype.element_ty), mask=mask)
 
