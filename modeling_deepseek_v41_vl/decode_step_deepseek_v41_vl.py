@@ -257,15 +257,14 @@ class DeepseekV41DecodeRunner:
             if attention.max_cache_len is None:
                 widths[ratio] = decode_rows(widths[ratio])
         for layer in model.layers:
-            layer.attn.make_decode_rows(attention.layer(layer.layer_idx))
-        if attention.max_cache_len is None:
-            for layer in model.layers:
-                own = attention.layer(layer.layer_idx)
-                if own.compressed_kv is not None:
-                    own.compressed_kv.reserve(widths[layer.attn.ratio])
-                if own.index_k is not None:
-                    own.index_k.reserve(max(widths.values(), default=0))
-                    own.index_k.reserve(decode_rows(end))  # (index keys are read at any ratio's width)
+            if not layer.attn.is_kv_source:
+                continue
+            own = attention.layer(layer.layer_idx)
+            layer.attn.make_decode_rows(own)
+            if attention.max_cache_len is None:
+                own.compressed_kv.reserve(widths[layer.attn.ratio])
+                if own.index_k is not None:  # read at any ratio's width, at most decode_rows(end)
+                    own.index_k.reserve(decode_rows(end))
         return widths
 
     def step(self, model, input_ids: torch.Tensor, cache: DeepseekV41Cache) -> tuple[torch.Tensor, torch.Tensor]:
