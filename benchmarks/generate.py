@@ -209,7 +209,7 @@ def profile_steps(model, inputs, device, what: str, steps: int = 8) -> list[str]
         loop.steps(steps)
         sync(device)
     wall = (time.perf_counter() - start) / steps
-    return [pace, ""] + kernel_table(prof, steps, f"profiled decode step ({what})", wall)
+    return [pace, ""] + kernel_table(prof, steps, f"profiled decode step ({what})", wall, top=60)
 
 
 @torch.no_grad()
