@@ -107,6 +107,7 @@ CASES = [  # kind, m, n, k, launch config (None: the default, 128 features per p
     ("fp8", 1, 40, 64, None),
     ("fp8", 3, 40, 96, QuantLinearConfig(block_n=16, split_k=2)),  # a scale row spans 2 programs
     ("fp8", 3, 100, 96, None),
+    ("fp8", 17, 40, 128, QuantLinearConfig(block_n=16, split_k=4, groups_per_iter=1)),  # 2 x 3 tiles, 4 ranges
     ("fp4", 1, 40, 64, None),
     ("fp4", 3, 40, 96, QuantLinearConfig(block_n=32, split_k=2, groups_per_iter=1)),
     ("fp4", 3, 104, 96, None),
@@ -186,6 +187,16 @@ def test_split_k_is_deterministic_and_matches_unsplit():
     assert torch.equal(four, again)
     _assert_summation_order_only(one, x, weight, scale, "fp4")
     _assert_summation_order_only(four, x, weight, scale, "fp4")
+    # the last program of each tile summed the ranges and reset its counter for the next launch
+    assert not quant_linear._TILE_COUNTERS[("cpu", None)].any()
+
+
+def test_split_k_tile_limit():
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    weight = torch.zeros(16 * (quant_linear.MAX_SPLIT_TILES + 1), 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scale = torch.full((-(-weight.size(0) // 32), 8), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    with pytest.raises(QuantLinearError, match="output tiles"):
+        quantized_linear_triton(x, weight, scale, "fp8", config=QuantLinearConfig(block_n=16, split_k=2))
 
 
 def test_leading_dims_and_int8_fp4_view():

@@ -39,10 +39,15 @@ loads the activation tile ``[32, 16]`` (re-quantizing it locally: it is tiny and
 work is per program, so a wide ``BLOCK_N`` amortises it over more weight bytes) and the weight
 tile ``[BLOCK_N, 32]`` (fp4: ``[BLOCK_N, 16]`` bytes, low and high nibbles dotted against the even
 and odd activations), then ``acc[BLOCK_N, 16] += dot(w, x_q^T) * s_w``. When there are too few N
-blocks to fill the GPU (small N, large K) K is split: every split writes fp32 partials to a
-workspace ``[S, M, N]`` and a second small kernel adds them in split order, so results are
-deterministic (no atomics). No host synchronisation and only shape-dependent allocations:
-CUDA-graph capturable after a warm-up call has compiled the kernels.
+blocks to fill the GPU (small N, large K) K is split, still in one launch: every split writes
+its fp32 partials to a workspace ``[S, M, N]`` and takes a ticket from its output tile's counter;
+the program that takes the last ticket adds the S partials in split order (0, 1, ...), stores the
+bf16 result and resets the counter. The sum is the same whichever program finishes last, so
+results are deterministic (the atomics only count). The counters (one int32 per output tile, zero
+between launches) belong to the device: launches on one device are assumed to run one after
+another (one stream at a time), as in a decode step. No host synchronisation and only
+shape-dependent allocations: CUDA-graph capturable after a warm-up call on the device has compiled
+the kernel and made the counters.
 """
 
 from __future__ import annotations
@@ -71,7 +76,8 @@ _BLOCK_M = 16  # tl.dot's smallest tile side
 # programs per SM the split-K heuristic aims for, and the fewest K groups a split may get
 _PROGRAMS_PER_SM = 2
 _MIN_GROUPS_PER_SPLIT = 4
-_REDUCE_BLOCK = 1024
+# output tiles a split launch may have: one int32 counter each, per device
+MAX_SPLIT_TILES = 4096
 
 _WEIGHT_FORMATS = ("fp8", "fp4")
 
@@ -87,8 +93,10 @@ class QuantLinearConfig:
     Attributes:
         block_n: output features per program, a power of two >= 16.
         groups_per_iter: groups of 32 K per loop step (unrolled), >= 1.
-        split_k: K ranges computed by separate programs and summed by a second kernel, >= 1
-            (reduced to the number of non-empty ranges).
+        split_k: K ranges computed by separate programs, >= 1 (reduced to the number of non-empty
+            ranges); the last program of an output tile to finish adds them in range order. A
+            split launch may have at most :data:`MAX_SPLIT_TILES` output tiles (N / block_n x
+            M / 16).
         num_warps, num_stages: passed to the launch (num_stages: software-pipelining depth).
     """
 
@@ -192,16 +200,19 @@ if triton is not None:
         w_ptr,
         s_ptr,
         out_ptr,
+        ws_ptr,
+        count_ptr,
         M,
         N,
         n_groups,
         groups_per_split,
+        n_splits,
         stride_xm,
         stride_wn,
         stride_sn,
         stride_om,
         IS_FP4: tl.constexpr,
-        WRITE_PARTIAL: tl.constexpr,
+        SPLIT: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_M: tl.constexpr,
         GROUPS_PER_ITER: tl.constexpr,
@@ -272,22 +283,47 @@ if triton is not None:
                 acc += part * w_scale[:, None]
 
         out_mask = n_ok[:, None] & m_ok[None, :]
-        if WRITE_PARTIAL:
-            # workspace [S, M, N] fp32, contiguous
-            offs = pid_k * (M * N) + offs_m[None, :] * N + offs_n[:, None]
-            tl.store(out_ptr + offs, acc, mask=out_mask)
+        out_offs = offs_m[None, :] * stride_om + offs_n[:, None]
+        if SPLIT:
+            # this range's partials into the workspace [S, M, N] fp32 (contiguous), then a ticket
+            # from the tile's counter: the barrier orders every thread's stores before the
+            # (release) increment; the last ticket's program adds the ranges in order
+            tile_offs = offs_m[None, :] * N + offs_n[:, None]
+            tl.store(ws_ptr + pid_k * (M * N) + tile_offs, acc, mask=out_mask)
+            tl.debug_barrier()
+            tile = pid_m * tl.num_programs(0) + pid_n
+            ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if ticket == n_splits - 1:
+                total = tl.load(ws_ptr + tile_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+                for r in range(1, n_splits):
+                    total += tl.load(ws_ptr + r * (M * N) + tile_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + out_offs, _to_bf16_rne(total), mask=out_mask)
+                tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
         else:
-            tl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], _to_bf16_rne(acc), mask=out_mask)
+            tl.store(out_ptr + out_offs, _to_bf16_rne(acc), mask=out_mask)
 
-    @triton.jit
-    def _sum_splits_kernel(ws_ptr, out_ptr, numel, n_splits, BLOCK: tl.constexpr):
-        # out = sum over the splits in order 0, 1, ... (deterministic), rounded to bf16
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < numel
-        acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
-        for s in range(1, n_splits):
-            acc += tl.load(ws_ptr + s * numel + offs, mask=ok, other=0.0)
-        tl.store(out_ptr + offs, _to_bf16_rne(acc), mask=ok)
+
+_TILE_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device) -> torch.Tensor:
+    """The device's split-launch tile counters: int32 ``[MAX_SPLIT_TILES]``, zero between launches
+    (each launch's last program resets its tile's). Made by the first split launch on the device;
+    a CUDA-graph capture uses the ones its warm-up call made.
+
+    Raises:
+        QuantLinearError: the first split launch on the device is being captured in a CUDA graph.
+    """
+    key = (device.type, device.index)
+    counters = _TILE_COUNTERS.get(key)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise QuantLinearError(
+                "the first split-K quantized linear on a device cannot be captured in a CUDA graph: "
+                "run it once outside the capture (a warm-up call) first"
+            )
+        counters = _TILE_COUNTERS.setdefault(key, torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device))
+    return counters
 
 
 @functools.lru_cache(maxsize=None)
@@ -402,8 +438,10 @@ def quantized_linear_triton(
 
     Raises:
         QuantLinearError: wrong dtypes or shapes, K not a multiple of 32, tensors on different
-            devices or not contiguous along K, a bad config, Triton missing, or CPU tensors outside
-            Triton's interpreter (``TRITON_INTERPRET=1`` before this module is imported).
+            devices or not contiguous along K, a bad config (a split launch over more than
+            :data:`MAX_SPLIT_TILES` output tiles), Triton missing, CPU tensors outside Triton's
+            interpreter (``TRITON_INTERPRET=1`` before this module is imported), or the device's
+            first split launch inside a CUDA-graph capture.
     """
     n, k = _check_args(x, weight, scale, weight_dtype)
     if not triton_available():
@@ -430,24 +468,36 @@ def quantized_linear_triton(
     step = config.groups_per_iter
     groups_per_split = triton.cdiv(triton.cdiv(groups, config.split_k), step) * step
     n_splits = triton.cdiv(groups, groups_per_split)
-    write_partial = n_splits > 1
-    target = torch.empty(n_splits, m, n, dtype=torch.float32, device=x.device) if write_partial else out
     grid = (triton.cdiv(n, config.block_n), n_splits, triton.cdiv(m, _BLOCK_M))
+    split = n_splits > 1
+    if split:
+        if grid[0] * grid[2] > MAX_SPLIT_TILES:
+            raise QuantLinearError(
+                f"a split-K launch takes at most {MAX_SPLIT_TILES} output tiles, this one has {grid[0] * grid[2]} "
+                f"({m} rows x {n} features at block_n={config.block_n}): use a wider block_n or split_k=1"
+            )
+        workspace = torch.empty(n_splits, m, n, dtype=torch.float32, device=x.device)
+        counters = _tile_counters(x.device)
+    else:
+        workspace = counters = out  # not read
     _quant_linear_kernel[grid](
         x2d,
         weight.view(torch.uint8),
         scale.view(torch.uint8),
-        target,
+        out,
+        workspace,
+        counters,
         m,
         n,
         groups,
         groups_per_split,
+        n_splits,
         x2d.stride(0),
         weight.stride(0),
         scale.stride(0),
         out.stride(0),
         IS_FP4=weight_dtype == "fp4",
-        WRITE_PARTIAL=write_partial,
+        SPLIT=split,
         BLOCK_N=config.block_n,
         BLOCK_M=_BLOCK_M,
         GROUPS_PER_ITER=config.groups_per_iter,
@@ -456,16 +506,13 @@ def quantized_linear_triton(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if write_partial:
-        _sum_splits_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
-            target, out, m * n, n_splits, BLOCK=_REDUCE_BLOCK, num_warps=4
-        )
     return out.view(*lead, n)
 
 
 __all__ = [
     "ENV_BACKEND",
     "GROUP",
+    "MAX_SPLIT_TILES",
     "QUANT_LINEAR_MAX_ROWS",
     "QuantLinearConfig",
     "QuantLinearError",
