@@ -38,6 +38,8 @@ from torch import nn
 from ..triton_ops.moe_experts import ExpertTableCache, combine_slots, moe_experts_triton, use_moe_experts_kernel
 from ..triton_ops.moe_prefill import moe_routed_prefill, use_moe_prefill
 from ..triton_ops.moe_routing import route_topk, router_scores
+from ..triton_ops.swiglu import expert_swiglu_triton
+from .layers_deepseek_v41_vl import needs_grad
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics, plan_for
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
 
@@ -164,12 +166,21 @@ class DeepseekV41Expert(nn.Module):
         self.w2 = DeepseekV41Linear(intermediate_size, hidden_size, weight_dtype=weight_dtype, numerics=numerics)
         self.w3 = DeepseekV41Linear(hidden_size, intermediate_size, weight_dtype=weight_dtype, numerics=numerics)
         self.swiglu_limit = swiglu_limit
+        self.numerics = as_numerics(numerics)
 
     def forward(self, x: torch.Tensor, routing_weights: torch.Tensor | None = None) -> torch.Tensor:
         """x ``[n, D]`` (bf16); routing_weights fp32 ``[n, 1]`` or None (shared expert) -> ``[n, D]``
-        in ``x.dtype``."""
-        gate = self.w1(x).float()
-        up = self.w3(x).float()
+        in ``x.dtype``. In fast numerics with the plan's ``swiglu`` backend on Triton (no autograd),
+        the SwiGLU between the linears is one launch (`triton_ops/swiglu.expert_swiglu_triton`)."""
+        gate, up = self.w1(x), self.w3(x)
+        if (
+            gate.dtype == torch.bfloat16
+            and up.dtype == torch.bfloat16
+            and self.numerics.backend("swiglu", x.device) == "triton"
+            and not needs_grad(gate, up, *(() if routing_weights is None else (routing_weights,)))
+        ):
+            return self.w2(expert_swiglu_triton(gate, up, self.swiglu_limit, routing_weights))
+        gate, up = gate.float(), up.float()
         if self.swiglu_limit > 0:
             up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
             gate = gate.clamp(max=self.swiglu_limit)
@@ -303,11 +314,12 @@ class DeepseekV41MoE(nn.Module):
             )
         return answers[key]
 
-    def _routed_kernels(self, x, weights, indices) -> torch.Tensor:
-        # fp32 [T, D]; no host sync: the expert table is built on the first call (and after moves);
-        # the quantized-weight multiply ("scaled" / "manual") is the plan's, read once with it
+    def _routed_kernels(self, x, weights, indices, shared) -> torch.Tensor:
+        # bf16 [T, D], the shared expert's output added by the combine launch; no host sync: the
+        # expert table is built on the first call (and after moves); the quantized-weight
+        # multiply ("scaled" / "manual") is the plan's, read once with it
         mma = self.numerics.option("moe_experts_mma")
-        return moe_experts_triton(x, weights, indices, self.expert_tables.get(self.experts), mma=mma)
+        return moe_experts_triton(x, weights, indices, self.expert_tables.get(self.experts), mma=mma, shared=shared)
 
     def forward(self, hidden_states: torch.Tensor, image_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Apply the MoE FFN.
@@ -337,7 +349,8 @@ class DeepseekV41MoE(nn.Module):
         if self.numerics.exact:
             out = self._routed_exact(x, weights, indices)
         elif use_moe_experts_kernel(x, indices, self.routed_weight_dtype, self.numerics.backend("moe_experts", x.device)):
-            out = self._routed_kernels(x, weights, indices)
+            # (bf16 x) the routed sum + the shared output and the cast, in the kernels' last launch
+            return self._routed_kernels(x, weights, indices, self.shared_experts(x)).view(shape)
         else:
             out = self._routed_grouped(x, weights, indices)
         out += self.shared_experts(x)

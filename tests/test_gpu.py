@@ -1029,6 +1029,25 @@ def test_swiglu_kernel_equals_the_torch_ops(shape):
     assert torch.equal(ours.view(torch.int16), ref.view(torch.int16)), _METRICS[f"swiglu/{shape}"]
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_expert_swiglu_kernel_equals_the_expert_ops(weighted):
+    """The language model's expert SwiGLU (`swiglu.expert_swiglu_triton`), compiled, against
+    `DeepseekV41Expert.forward`'s torch ops between its linears (clamps, fp32 silu and products,
+    one rounding): bit for bit on the GPU."""
+    from deepseek_v41_vl.triton_ops.swiglu import expert_swiglu_triton
+
+    _require_compiled_triton()
+    gen = torch.Generator(device=CUDA).manual_seed(3 + weighted)
+    gate = (torch.randn(6, 2304, generator=gen, device=CUDA) * 8).to(torch.bfloat16)
+    up = (torch.randn(6, 2304, generator=gen, device=CUDA) * 8).to(torch.bfloat16)
+    w = torch.rand(6, 1, generator=gen, device=CUDA) if weighted else None
+    g, u = gate.float(), up.float().clamp(min=-10.0, max=10.0)
+    h = F.silu(g.clamp(max=10.0)) * u
+    ref = (h if w is None else w * h).to(torch.bfloat16)
+    ours = expert_swiglu_triton(gate, up, 10.0, w)
+    assert torch.equal(ours.view(torch.int16), ref.view(torch.int16))
+
+
 def test_fake_quant_kernels_replay_in_a_cuda_graph():
     """Captured once (after a compiling warm-up), replayed on new input: no host synchronisation."""
     from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import fake_quant_fp4, fake_quant_fp8

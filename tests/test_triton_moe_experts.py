@@ -145,7 +145,7 @@ def test_split_k_matches_module_math(fmt, monkeypatch):
     monkeypatch.setattr(moe_experts, "_gate_up_finish_kernel", finish)
     combined_splits = []
     combine = moe_experts._combine
-    monkeypatch.setattr(moe_experts, "_combine", lambda *a: combined_splits.append(a[-1]) or combine(*a))
+    monkeypatch.setattr(moe_experts, "_combine", lambda *a: combined_splits.append(a[5]) or combine(*a))
     moe = _tiny_moe(fmt, 1.0, seed=8, inter=2 * INTER)
     x = _inputs(3, seed=9).reshape(-1, HIDDEN)
     with torch.inference_mode():
@@ -377,3 +377,21 @@ def test_table_rejects_unsupported_storage():
             lin.weight_dtype = "fp32"
     with pytest.raises(MoEExpertsError, match="not supported"):
         moe_experts.build_expert_table(fp32.experts)
+
+
+def test_shared_output_added_by_the_combine_launch():
+    # `shared`: the combine adds the shared expert's bf16 output to the fp32 routed sum and rounds
+    # once, as MoE.forward's `out += shared; out.to(bf16)`, bit for bit
+    moe = _tiny_moe("fp4", 1.0, seed=12)
+    x = _inputs(3, seed=13).reshape(-1, HIDDEN)
+    with torch.inference_mode():
+        weights, indices = moe.gate(x)
+        table = moe.expert_tables.get(moe.experts)
+        shared = moe.shared_experts(x)
+        routed = moe_experts.moe_experts_triton(x, weights, indices, table)
+        both = moe_experts.moe_experts_triton(x, weights, indices, table, shared=shared)
+        assert both.dtype == torch.bfloat16
+        assert torch.equal(both, (routed + shared).to(torch.bfloat16))
+        assert torch.equal(moe(x.view(1, 3, HIDDEN)).view(3, HIDDEN), both)  # the module's decode path
+        with pytest.raises(MoEExpertsError, match="shared"):
+            moe_experts.moe_experts_triton(x, weights, indices, table, shared=shared.float())

@@ -526,11 +526,12 @@ if triton is not None:
         tl.store(out_ptr + p * N + cols[None, :], res.to(tl.bfloat16), mask=ok[None, :])
 
     @triton.jit
-    def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, D, n_pairs, TOP_K: tl.constexpr, BLOCK_S: tl.constexpr,
-                            BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+    def _moe_combine_kernel(y_ptr, ids_ptr, shared_ptr, out_ptr, D, n_pairs, TOP_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                            BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, HAS_SHARED: tl.constexpr):
         # out[t] = sum of y[t*k + slot] over the slots in ascending expert id, fp32, from 0; with
         # SPLITS > 1 y_ptr holds the down launch's fp32 partials [SPLITS, P, D] and each y is their
-        # sum (splits in order) rounded to bf16, as the unsplit launch stores it
+        # sum (splits in order) rounded to bf16, as the unsplit launch stores it. HAS_SHARED: then
+        # + shared[t] (bf16, widened) and the bf16 rounding, stored as bf16
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         col_ok = cols < D
@@ -548,7 +549,11 @@ if triton is not None:
             else:
                 acc += tl.load(y_ptr + (t * TOP_K + slot) * D + cols, mask=col_ok, other=0.0).to(tl.float32)
             ids = tl.where(slots == slot, 2147483647, ids)
-        tl.store(out_ptr + t * D + cols, acc, mask=col_ok)
+        if HAS_SHARED:
+            acc += tl.load(shared_ptr + t * D + cols, mask=col_ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + t * D + cols, _round_bf16(acc).to(tl.bfloat16), mask=col_ok)
+        else:
+            tl.store(out_ptr + t * D + cols, acc, mask=col_ok)
 
 
 def _kernels_interpreted() -> bool:
@@ -585,6 +590,7 @@ def moe_experts_triton(
     table: ExpertWeightTable,
     mma: str | None = None,
     config: dict | None = None,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts in four Triton launches (three for bf16 experts; one more when the
     gate-up launch is split: module docstring), no host sync.
@@ -602,9 +608,12 @@ def moe_experts_triton(
             ``ptx_decode`` (a bool; default: on the GPU) picks the inline-PTX fp4 decode for
             ``"manual"``; ``splits`` (``{"gate_up": S, "down": S}``, ints >= 1, capped at the
             launch's K blocks; default `_default_splits`) splits each launch along K.
+        shared: bf16 ``[T, D]`` or None: the shared expert's output, added by the combine launch
+            (`MoE.forward`'s ``y += shared; y.to(bf16)`` in the same fp32 add and one rounding).
 
     Returns:
-        fp32 ``[T, D]``: the sum over each row's k experts, in ascending expert id.
+        fp32 ``[T, D]``: the sum over each row's k experts, in ascending expert id; with `shared`,
+        bf16 ``[T, D]``: that sum plus ``shared``, rounded.
 
     Raises:
         MoEExpertsError: Triton missing, CPU tensors without the interpreter, bad shapes / dtypes /
@@ -631,9 +640,15 @@ def moe_experts_triton(
             f"{n_pairs} (token, slot) pairs: the kernels are for decode-sized calls (<= {KERNEL_MAX_PAIRS})"
         )
     d, inter = table.hidden_size, table.intermediate_size
-    out = torch.empty(n_tokens, d, dtype=torch.float32, device=x.device)
+    if shared is not None:
+        if shared.dtype != torch.bfloat16 or shared.shape != (n_tokens, d) or shared.device != x.device:
+            raise MoEExpertsError(
+                f"shared must be bf16 [{n_tokens}, {d}] on {x.device}, got {shared.dtype} {tuple(shared.shape)} on {shared.device}"
+            )
+        shared = shared.contiguous()
+    out = torch.empty(n_tokens, d, dtype=torch.float32 if shared is None else torch.bfloat16, device=x.device)
     if n_pairs == 0:
-        return out
+        return out if shared is None else out.copy_(shared)
     if x.stride(1) != 1:
         x = x.contiguous()
     ids = indices.reshape(-1)
@@ -717,7 +732,7 @@ def moe_experts_triton(
         x = xq
     h, _ = launch(True, x, inter, d)
     y, y_splits = launch(False, h, d, inter)
-    return _combine(y, ids, n_tokens, top_k, out, y_splits)
+    return _combine(y, ids, n_tokens, top_k, out, y_splits, shared)
 
 
 def _default_splits(n_pairs: int, interpret: bool) -> dict:
@@ -732,13 +747,15 @@ def _default_splits(n_pairs: int, interpret: bool) -> dict:
 
 
 @on_input_device
-def _combine(y, ids, n_tokens, top_k, out, splits: int = 1):
-    # y: bf16 [P, D], or with splits the down launch's fp32 partials [splits, P, 1, D]
+def _combine(y, ids, n_tokens, top_k, out, splits: int = 1, shared=None):
+    # y: bf16 [P, D], or with splits the down launch's fp32 partials [splits, P, 1, D]; out fp32,
+    # or bf16 with `shared` (bf16 [T, D], contiguous) added before the rounding
     d = y.size(-1)
     block_d = min(1024, triton.next_power_of_2(d))
     _moe_combine_kernel[(n_tokens, triton.cdiv(d, block_d))](
-        y, ids, out, d, n_tokens * top_k, TOP_K=top_k, BLOCK_S=max(2, triton.next_power_of_2(top_k)),
-        BLOCK_D=block_d, SPLITS=splits, num_warps=4,
+        y, ids, out if shared is None else shared, out, d, n_tokens * top_k, TOP_K=top_k,
+        BLOCK_S=max(2, triton.next_power_of_2(top_k)), BLOCK_D=block_d, SPLITS=splits,
+        HAS_SHARED=shared is not None, num_warps=4,
     )
     return out
 
