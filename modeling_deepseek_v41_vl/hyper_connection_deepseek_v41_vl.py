@@ -12,7 +12,8 @@ Numerics: exact (the default) runs the split + Sinkhorn as the torch ops below, 
 the reference on CPU. Fast runs it as one Triton launch (`triton_ops/hc_sinkhorn.py`) where the
 backend resolves to Triton (CUDA tensors, or ``DEEPSEEK_V41_HC_SINKHORN_BACKEND=triton``): the
 same op order, within a few fp32 ulps (only ``exp`` differs), instead of ~90 small launches.
-Likewise the projection of :meth:`mixes` (two launches, for decode-sized calls), the collapse
+Likewise the projection of :meth:`mixes` (two launches, for decode-sized calls; with the Triton
+Sinkhorn as well, its second launch also runs the split + Sinkhorn, the same ops bit for bit), the collapse
 and the expand (`pre`, `post`, one launch each) of bf16 streams in fast numerics (`triton_ops/hc_mix.py`, the plan's
 ``hc_mix`` backend) unless autograd records them: the same products, summed in another order at
 most.
@@ -26,7 +27,7 @@ from torch import nn
 
 from ..triton_ops.hc_mix import MAX_HC_MULT as HC_MIX_MAX_HC_MULT
 from ..triton_ops.hc_mix import MIXES_MAX_ROWS as HC_MIXES_MAX_ROWS
-from ..triton_ops.hc_mix import hc_mixes_triton, hc_post_triton, hc_pre_triton
+from ..triton_ops.hc_mix import hc_mixes_sinkhorn_triton, hc_mixes_triton, hc_post_triton, hc_pre_triton
 from ..triton_ops.hc_sinkhorn import hc_split_sinkhorn_triton
 from .layers_deepseek_v41_vl import needs_grad
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
@@ -173,6 +174,11 @@ class DeepseekV41HyperConnection(nn.Module):
                 f"fn has shape {tuple(fn.shape)}, incompatible with x {tuple(x.shape)}"
             )
         if x.size(0) * x.size(1) <= HC_MIXES_MAX_ROWS and self._fused((x,), (fn,)):
+            if self.numerics.backend("hc_sinkhorn", x.device) == "triton":
+                # both kernels: the projection's finish and the Sinkhorn share one launch
+                return hc_mixes_sinkhorn_triton(
+                    x, fn, self.norm_eps, scale, base, self.sinkhorn_iters, self.hc_eps
+                )
             m = hc_mixes_triton(x, fn, self.norm_eps)
         else:
             flat = x.flatten(2).float()

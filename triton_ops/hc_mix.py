@@ -26,6 +26,9 @@ row would leave one program reading 20480 columns alone) and stores fp32 partial
 sums of squares; a second adds the splits in order and scales. The dot products are exact fp32
 FMA sums (``input_precision="ieee"``, no TF32), in another order than cuBLAS's. It is meant for
 decode steps (up to :data:`MIXES_MAX_ROWS` rows): for a prefill cuBLAS's GEMM is faster.
+:func:`hc_mixes_sinkhorn_triton` runs the whole of `Block.hc_mixes` in two launches: the second
+finishes each row as above and runs the split + Sinkhorn of `hc_sinkhorn.py` on it, with the same
+jit helpers as the two kernels it replaces (bit for bit their results).
 
 No launch synchronises with the host; each allocates only its output: CUDA-graph capturable
 once compiled.
@@ -42,10 +45,13 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
+from .hc_sinkhorn import HcSinkhornError, _check_params, _finish_split_sinkhorn
+from .hc_sinkhorn import _check_runnable as _check_sinkhorn_runnable
 from .kernel_backend import kernel_interpreted, on_input_device, triton_available, triton_interpret_mode
 
 if triton is not None:
     from .fake_quant import _bf16_to_fp32
+    from .hc_sinkhorn import _mixes_finish as _mixes_finish_fn
     from .quant_linear import _to_bf16_rne
 
 ENV_BACKEND = "DEEPSEEK_V41_HC_MIX_BACKEND"
@@ -116,19 +122,17 @@ if triton is not None:
         tl.store(dot_ptr + base[:, None] * NM + outs[None, :], acc, mask=row_ok[:, None] & out_ok[None, :])
         tl.store(sq_ptr + base, sq, mask=row_ok)
 
+    # the finish, shared with the finish + Sinkhorn kernel of `hc_sinkhorn.py` (decorated here in
+    # this module's interpreter mode, as this module's kernels are)
+    _mixes_finish = triton.jit(_mixes_finish_fn)
+
     @triton.jit
     def _hc_mixes_finish_kernel(dot_ptr, sq_ptr, out_ptr, T, K, NM, eps, SPLIT: tl.constexpr,
                                 BLOCK_M: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         outs = tl.arange(0, BLOCK_M)
-        out_ok = outs < NM
-        acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        sq = tl.zeros((1,), dtype=tl.float32)
-        for s in tl.static_range(SPLIT):
-            acc += tl.load(dot_ptr + (s * T + row) * NM + outs, mask=out_ok, other=0.0)
-            sq += tl.load(sq_ptr + s * T + row + tl.arange(0, 1))
-        scale = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sq, K * 1.0) + eps))  # rsqrt(mean + eps), IEEE-rounded
-        tl.store(out_ptr + row * NM + outs, acc * scale, mask=out_ok)
+        m = _mixes_finish(dot_ptr, sq_ptr, row, T, K, NM, eps, SPLIT=SPLIT, BLOCK_M=BLOCK_M)
+        tl.store(out_ptr + row * NM + outs, m, mask=outs < NM)
 
 
 def _check_runnable(*tensors: torch.Tensor) -> None:
@@ -166,6 +170,39 @@ _MIXES_BLOCK_K = 128
 _MIXES_SPLIT_TARGET = 128
 
 
+def _mixes_args(x: torch.Tensor, fn: torch.Tensor) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
+    # (tokens, n_mix, width, x as [tokens, width], fn contiguous) of a checked projection
+    tokens, hc, dim = _stream(x, "x")
+    n_mix, width = (2 + hc) * hc, hc * dim
+    if width == 0:
+        raise HcMixError(f"x {tuple(x.shape)} has no columns: the projection's norm would divide by 0")
+    fn = _fp32(fn, (n_mix, width), "fn")
+    _check_runnable(x, fn)
+    return tokens, n_mix, width, x.contiguous().view(tokens, width), fn
+
+
+def _mixes_partials(rows: torch.Tensor, fn: torch.Tensor, n_mix: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # the first launch of the projection: fp32 partial dot products [split, T, n_mix] and partial
+    # sums of squares [split, T] of T >= 1 rows
+    tokens, width = rows.shape
+    row_blocks = triton.cdiv(tokens, _MIXES_BLOCK_T)
+    k_steps = triton.cdiv(width, _MIXES_BLOCK_K)
+    split = max(1, min(k_steps, _MIXES_SPLIT_TARGET // row_blocks))
+    steps_per_split = triton.cdiv(k_steps, split)
+    split = triton.cdiv(k_steps, steps_per_split)  # no split left without columns
+    dots = torch.empty(split, tokens, n_mix, dtype=torch.float32, device=rows.device)
+    sq = torch.empty(split, tokens, dtype=torch.float32, device=rows.device)
+    _hc_mixes_partial_kernel[(row_blocks, split)](
+        rows, fn, dots, sq, tokens, width, n_mix, steps_per_split * _MIXES_BLOCK_K,
+        BLOCK_T=_MIXES_BLOCK_T, BLOCK_M=_mixes_block_m(n_mix), BLOCK_K=_MIXES_BLOCK_K, num_warps=4,
+    )
+    return dots, sq
+
+
+def _mixes_block_m(n_mix: int) -> int:
+    return max(16, triton.next_power_of_2(n_mix))
+
+
 @on_input_device
 def hc_mixes_triton(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     """The mHC projection before the split + Sinkhorn: ``m = (fn @ v) * rsqrt(mean(v^2) + eps)``
@@ -181,32 +218,69 @@ def hc_mixes_triton(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tens
         HcMixError: other shapes or dtypes, no columns (D = 0), tensors on two devices, Triton
             missing, or CPU tensors outside Triton's interpreter.
     """
-    tokens, hc, dim = _stream(x, "x")
-    n_mix, width = (2 + hc) * hc, hc * dim
-    if width == 0:
-        raise HcMixError(f"x {tuple(x.shape)} has no columns: the projection's norm would divide by 0")
-    fn = _fp32(fn, (n_mix, width), "fn")
-    _check_runnable(x, fn)
-    rows = x.contiguous().view(tokens, width)
+    tokens, n_mix, width, rows, fn = _mixes_args(x, fn)
     out = torch.empty(*x.shape[:2], n_mix, dtype=torch.float32, device=x.device)
     if tokens == 0:
         return out
-    row_blocks = triton.cdiv(tokens, _MIXES_BLOCK_T)
-    k_steps = triton.cdiv(width, _MIXES_BLOCK_K)
-    split = max(1, min(k_steps, _MIXES_SPLIT_TARGET // row_blocks))
-    steps_per_split = triton.cdiv(k_steps, split)
-    split = triton.cdiv(k_steps, steps_per_split)  # no split left without columns
-    dots = torch.empty(split, tokens, n_mix, dtype=torch.float32, device=x.device)
-    sq = torch.empty(split, tokens, dtype=torch.float32, device=x.device)
-    block_m = max(16, triton.next_power_of_2(n_mix))
-    _hc_mixes_partial_kernel[(row_blocks, split)](
-        rows, fn, dots, sq, tokens, width, n_mix, steps_per_split * _MIXES_BLOCK_K,
-        BLOCK_T=_MIXES_BLOCK_T, BLOCK_M=block_m, BLOCK_K=_MIXES_BLOCK_K, num_warps=4,
-    )
+    dots, sq = _mixes_partials(rows, fn, n_mix)
     _hc_mixes_finish_kernel[(tokens,)](
-        dots, sq, out, tokens, width, n_mix, float(eps), SPLIT=split, BLOCK_M=block_m, num_warps=1,
+        dots, sq, out, tokens, width, n_mix, float(eps), SPLIT=dots.size(0), BLOCK_M=_mixes_block_m(n_mix),
+        num_warps=1,
     )
     return out
+
+
+@on_input_device
+def hc_mixes_sinkhorn_triton(
+    x: torch.Tensor,
+    fn: torch.Tensor,
+    norm_eps: float,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    iters: int,
+    hc_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole of `inference/model.py: Block.hc_mixes` in two launches: the projection of
+    :func:`hc_mixes_triton`, then the split + Sinkhorn (the kernel `hc_split_sinkhorn`,
+    `inference/kernel_cpu.py`) of `hc_sinkhorn.hc_split_sinkhorn_triton`.
+
+    Bit for bit ``hc_split_sinkhorn_triton(hc_mixes_triton(x, fn, norm_eps), scale, base, hc,
+    iters, hc_eps)``: the first launch is the projection's partial products, the second finishes
+    each row with the same helper as the projection's second launch and runs the same split +
+    Sinkhorn helper as the Sinkhorn kernel, so every fp32 operation and its order are the same.
+    One launch fewer than the two calls; meant for decode steps (up to :data:`MIXES_MAX_ROWS`
+    rows), as :func:`hc_mixes_triton`.
+
+    Args:
+        x: bf16 ``[B, S, hc, D]``, hc 1 to :data:`MAX_HC_MULT`. fn: fp32 ``[(2 + hc) * hc, hc * D]``.
+        norm_eps: the eps inside the projection's rsqrt (``rms_norm_eps``).
+        scale: fp32 ``[3]``, the scales of pre, post and comb. base: fp32 ``[(2 + hc) * hc]``.
+        iters: Sinkhorn rounds (``hc_sinkhorn_iters``), >= 1.
+        hc_eps: ``hc_eps``, added to ``pre``, after the softmax and to every Sinkhorn denominator.
+
+    Returns:
+        pre ``[B, S, hc]``, post ``[B, S, hc]``, comb ``[B, S, hc, hc]``, fp32, contiguous, on the
+        device of `x`. ``comb[..., i, j]`` weighs source copy ``i`` into output copy ``j``.
+
+    Raises:
+        HcMixError: `x` or `fn` of other shapes or dtypes, no columns (D = 0), `x` and `fn` on two
+            devices, Triton missing, or CPU tensors outside Triton's interpreter.
+        HcSinkhornError: `scale` or `base` of other shapes or dtypes or not on the device of `x`,
+            or ``iters`` out of range.
+    """
+    tokens, n_mix, width, rows, fn = _mixes_args(x, fn)
+    hc = x.size(2)
+    _check_params(scale, base, hc, iters)
+    if not (scale.device == base.device == x.device):
+        raise HcSinkhornError(
+            f"x, scale and base must be on one device, got {x.device}, {scale.device}, {base.device}"
+        )
+    _check_sinkhorn_runnable(x.device)
+    if tokens == 0:
+        shapes = ((hc,), (hc,), (hc, hc))
+        return tuple(torch.empty(*x.shape[:2], *shape, dtype=torch.float32, device=x.device) for shape in shapes)
+    dots, sq = _mixes_partials(rows, fn, n_mix)
+    return _finish_split_sinkhorn(dots, sq, width, norm_eps, scale, base, hc, iters, hc_eps, tuple(x.shape[:2]))
 
 
 @on_input_device
@@ -267,4 +341,7 @@ def hc_post_triton(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
     return out
 
 
-__all__ = ["ENV_BACKEND", "MAX_HC_MULT", "MIXES_MAX_ROWS", "HcMixError", "hc_mixes_triton", "hc_post_triton", "hc_pre_triton"]
+__all__ = [
+    "ENV_BACKEND", "MAX_HC_MULT", "MIXES_MAX_ROWS", "HcMixError", "hc_mixes_sinkhorn_triton", "hc_mixes_triton",
+    "hc_post_triton", "hc_pre_triton",
+]

@@ -28,10 +28,19 @@ graph once the kernel has been compiled (a warm-up call before capture).
 Backend choice: :func:`resolve_backend` (``DEEPSEEK_V41_HC_SINKHORN_BACKEND``, else Triton on CUDA).
 The dispatch between this kernel and the torch fallback lives in the hyper-connection module; on
 the CPU the kernel runs only in Triton's interpreter (``TRITON_INTERPRET=1``). The kernel is
-decorated lazily, per interpreter mode, so that variable may be set after `triton` was imported.
+decorated lazily, per interpreter mode, so that variable may be set after `triton` was imported;
+so are its helpers, each mode in its own copy of this module's namespace, where a kernel finds the
+helpers of its mode.
+
+The kernel's body is the helper `_split_sinkhorn`, shared with `_hc_mixes_sinkhorn_kernel`: the
+second launch of `hc_mix.hc_mixes_sinkhorn_triton`, which finishes the projection of one token row
+(the helper `_mixes_finish`, also the body of `hc_mix`'s finish kernel), stores it and runs the
+split + Sinkhorn on it: one launch for what was two, the same operations in the same order.
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 
@@ -67,14 +76,28 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
 
 
 if triton is not None:
+    # The kernels and their helpers are plain functions here, decorated lazily (`_jit`).
 
-    def _hc_sinkhorn_kernel(
-        mixes_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
+    def _mixes_finish(dot_ptr, sq_ptr, row, T, K, NM, eps, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr):
+        # The projection of one token row from the split partials: the splits added in order, then
+        # scaled by rsqrt(mean(v^2) + eps). fp32 [BLOCK_M], 0 past NM.
+        outs = tl.arange(0, BLOCK_M)
+        out_ok = outs < NM
+        acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        sq = tl.zeros((1,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(dot_ptr + (s * T + row) * NM + outs, mask=out_ok, other=0.0)
+            sq += tl.load(sq_ptr + s * T + row + tl.arange(0, 1))
+        scale = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sq, K * 1.0) + eps))  # rsqrt(mean + eps), IEEE-rounded
+        return acc * scale
+
+    def _split_sinkhorn(
+        mixes_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rows,
         n_rows, stride_row, iters, eps,
-        HC: tl.constexpr, BLOCK_HC: tl.constexpr, BLOCK_R: tl.constexpr,
+        HC: tl.constexpr, BLOCK_HC: tl.constexpr,
     ):
-        # One program = BLOCK_R rows; pre/post as [BLOCK_R, BLOCK_HC], comb as [BLOCK_R, i, j].
-        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        # The split + Sinkhorn of the rows `rows` (int64 [BLOCK_R]) of the mixes; pre/post as
+        # [BLOCK_R, BLOCK_HC], comb as [BLOCK_R, i, j].
         row_ok = rows < n_rows
         k = tl.arange(0, BLOCK_HC)
         k_ok = k < HC
@@ -125,25 +148,68 @@ if triton is not None:
             c = tl.div_rn(c, col_sum + eps)
         tl.store(comb_ptr + rows[:, None, None] * (HC * HC) + i * HC + j, c, mask=tile_mask)
 
+    def _hc_sinkhorn_kernel(
+        mixes_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
+        n_rows, stride_row, iters, eps,
+        HC: tl.constexpr, BLOCK_HC: tl.constexpr, BLOCK_R: tl.constexpr,
+    ):
+        # One program = BLOCK_R rows.
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        _split_sinkhorn(mixes_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rows,
+                        n_rows, stride_row, iters, eps, HC=HC, BLOCK_HC=BLOCK_HC)
 
-# Decorated lazily, one JIT object per interpreter mode (see the module docstring).
-_KERNELS: dict[bool, object] = {}
+    def _hc_mixes_sinkhorn_kernel(
+        dot_ptr, sq_ptr, mixes_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
+        T, K, NM, norm_eps, iters, eps,
+        SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, HC: tl.constexpr, BLOCK_HC: tl.constexpr,
+    ):
+        # One program = one token row: finish its projection into the mixes row (global memory,
+        # written and read back by this program only), then split + Sinkhorn it.
+        row = tl.program_id(0).to(tl.int64)
+        outs = tl.arange(0, BLOCK_M)
+        m = _mixes_finish(dot_ptr, sq_ptr, row, T, K, NM, norm_eps, SPLIT=SPLIT, BLOCK_M=BLOCK_M)
+        tl.store(mixes_ptr + row * NM + outs, m, mask=outs < NM)
+        tl.debug_barrier()  # the row's stores visible to all of the program's threads
+        rows = row + tl.arange(0, 1)
+        _split_sinkhorn(mixes_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, rows,
+                        T, NM, iters, eps, HC=HC, BLOCK_HC=BLOCK_HC)
+
+
+# Decorated lazily, per interpreter mode (see the module docstring): each mode gets its own copy
+# of the module's namespace in which the kernels and helpers above are that mode's JIT objects,
+# so a kernel calls helpers of its own mode.
+_JIT_NAMES = ("_mixes_finish", "_split_sinkhorn", "_hc_sinkhorn_kernel", "_hc_mixes_sinkhorn_kernel")
+_SCOPES: dict[bool, dict] = {}
+
+
+def _jit(name: str):
+    interpret = triton_interpret_mode()
+    scope = _SCOPES.get(interpret)
+    if scope is None:
+        scope = dict(globals())
+        for fn_name in _JIT_NAMES:
+            raw = globals()[fn_name]
+            scope[fn_name] = triton.jit(
+                types.FunctionType(raw.__code__, scope, fn_name, raw.__defaults__, raw.__closure__)
+            )
+        _SCOPES[interpret] = scope
+    return scope[name]
 
 
 def _kernel():
-    interpret = triton_interpret_mode()
-    if interpret not in _KERNELS:
-        _KERNELS[interpret] = triton.jit(_hc_sinkhorn_kernel)
-    return _KERNELS[interpret]
+    return _jit("_hc_sinkhorn_kernel")
 
 
-def _check(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int, iters: int) -> None:
+def _check_params(
+    scale: torch.Tensor, base: torch.Tensor, hc_mult: int, iters: int, mixes: torch.Tensor | None = None
+) -> None:
+    # the Sinkhorn's arguments, and its input `mixes` where given
     if isinstance(hc_mult, bool) or not isinstance(hc_mult, int) or not 1 <= hc_mult <= MAX_HC_MULT:
         raise HcSinkhornError(f"hc_mult must be an int in [1, {MAX_HC_MULT}], got {hc_mult!r}")
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise HcSinkhornError(f"sinkhorn_iters must be an int >= 1, got {iters!r}")
     width = (2 + hc_mult) * hc_mult
-    if mixes.dim() < 1 or mixes.size(-1) != width:
+    if mixes is not None and (mixes.dim() < 1 or mixes.size(-1) != width):
         raise HcSinkhornError(
             f"mixes must be [..., (2 + hc) * hc = {width}] for hc_mult={hc_mult}, got {tuple(mixes.shape)}"
         )
@@ -152,11 +218,24 @@ def _check(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult
     if tuple(base.shape) != (width,):
         raise HcSinkhornError(f"base must be [{width}] for hc_mult={hc_mult}, got {tuple(base.shape)}")
     for name, t in (("mixes", mixes), ("scale", scale), ("base", base)):
-        if t.dtype != torch.float32:
+        if t is not None and t.dtype != torch.float32:
             raise HcSinkhornError(f"{name} must be float32, got {t.dtype}")
+
+
+def _check(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int, iters: int) -> None:
+    _check_params(scale, base, hc_mult, iters, mixes)
     if not (mixes.device == scale.device == base.device):
         raise HcSinkhornError(
             f"mixes, scale and base must be on one device, got {mixes.device}, {scale.device}, {base.device}"
+        )
+
+
+def _check_runnable(device: torch.device) -> None:
+    if not triton_available():
+        raise HcSinkhornError("the mHC Sinkhorn Triton kernel needs the triton package, which is not installed")
+    if device.type != "cuda" and not triton_interpret_mode():
+        raise HcSinkhornError(
+            f"the mHC Sinkhorn Triton kernel needs CUDA tensors (got {device.type}) or TRITON_INTERPRET=1"
         )
 
 
@@ -192,12 +271,7 @@ def hc_split_sinkhorn_triton(
             ``iters`` out of range, Triton missing, or CPU tensors outside ``TRITON_INTERPRET=1``.
     """
     _check(mixes, scale, base, hc_mult, iters)
-    if not triton_available():
-        raise HcSinkhornError("the mHC Sinkhorn Triton kernel needs the triton package, which is not installed")
-    if mixes.device.type != "cuda" and not triton_interpret_mode():
-        raise HcSinkhornError(
-            f"the mHC Sinkhorn Triton kernel needs CUDA tensors (got {mixes.device.type}) or TRITON_INTERPRET=1"
-        )
+    _check_runnable(mixes.device)
     lead = mixes.shape[:-1]
     flat = mixes.reshape(-1, mixes.size(-1))
     if flat.stride(-1) != 1:
@@ -218,6 +292,39 @@ def hc_split_sinkhorn_triton(
         HC=hc_mult, BLOCK_HC=block_hc, BLOCK_R=block_r,
         num_warps=max(1, min(4, tile // 256)),
         enable_fp_fusion=False,  # m * scale + base rounded twice, as the eager ops round it
+    )
+    return pre, post, comb
+
+
+def _finish_split_sinkhorn(
+    dots: torch.Tensor,
+    sq: torch.Tensor,
+    width: int,
+    norm_eps: float,
+    scale: torch.Tensor,
+    base: torch.Tensor,
+    hc_mult: int,
+    iters: int,
+    eps: float,
+    lead: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The second launch of `hc_mix.hc_mixes_sinkhorn_triton`: the partials of its first launch
+    # (dots fp32 [split, T, (2 + hc) * hc], sq fp32 [split, T], T >= 1) finished as
+    # `hc_mix._hc_mixes_finish_kernel` does, then split + Sinkhorn as `_hc_sinkhorn_kernel` does.
+    # The arguments are checked by the caller (`_check_params`, `_check_runnable`).
+    split, tokens, n_mix = dots.shape
+    device = dots.device
+    mixes = torch.empty(tokens, n_mix, dtype=torch.float32, device=device)
+    pre = torch.empty(*lead, hc_mult, dtype=torch.float32, device=device)
+    post = torch.empty(*lead, hc_mult, dtype=torch.float32, device=device)
+    comb = torch.empty(*lead, hc_mult, hc_mult, dtype=torch.float32, device=device)
+    _jit("_hc_mixes_sinkhorn_kernel")[(tokens,)](
+        dots, sq, mixes, scale.contiguous(), base.contiguous(), pre, post, comb,
+        tokens, width, n_mix, float(norm_eps), iters, float(eps),
+        SPLIT=split, BLOCK_M=max(16, triton.next_power_of_2(n_mix)), HC=hc_mult,
+        BLOCK_HC=triton.next_power_of_2(hc_mult),
+        num_warps=1,  # what each of the two kernels runs one row with
+        enable_fp_fusion=False,  # as `_hc_sinkhorn_kernel` (the finish has no product to contract)
     )
     return pre, post, comb
 
