@@ -144,9 +144,10 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 from deepseek_v41_vl.triton_ops import sparse_attention as sa
 
-block_h, block_dv, block_d, warps, stages = json.loads(sys.argv[1])
-consts = dict(HEAD_DIM=512, D_PAD=512, BLOCK_H=block_h, BLOCK_N=64, BLOCK_DV=block_dv, BLOCK_D=block_d, UPCAST_DOT=False)
-types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32", "scale": "fp32"}
+block_h, block_dv, block_d, warps, stages, two = json.loads(sys.argv[1])
+consts = dict(HEAD_DIM=512, D_PAD=512, BLOCK_H=block_h, BLOCK_N=64, BLOCK_DV=block_dv, BLOCK_D=block_d, UPCAST_DOT=False,
+              TWO_SOURCES=two)
+types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "kv2_ptr": "*bf16", "out_ptr": "*bf16", "idx_ptr": "*i32", "sink_ptr": "*fp32", "scale": "fp32"}
 params = list(inspect.signature(sa._sparse_attn_kernel).parameters)
 signature = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
 aligned = [p for p in params if p.endswith("_ptr") or p.startswith("stride") or p in ("n_heads", "n_idx")]
@@ -157,7 +158,10 @@ print(json.dumps({"shared": kernel.metadata.shared, "wgmma": "wgmma" in kernel.a
 """
 
 
-@pytest.mark.parametrize("tiling", [(64, 512, 512, 8, 1), (64, 512, 128, 8, 1)], ids=["whole", "chunked-qk"])
+@pytest.mark.parametrize(
+    "tiling", [(64, 512, 512, 8, 1, False), (64, 512, 128, 8, 1, False), (64, 512, 512, 8, 1, True)],
+    ids=["whole", "chunked-qk", "whole-two-sources"],
+)
 def test_kernel_compiles_for_the_h200(tiling):
     """The interpreter does not lower to the GPU: compile the production shape (head_dim 512,
     64 heads, aligned inputs) for sm_90 offline and check it fits the H200's 227 KiB of shared
@@ -232,3 +236,28 @@ def test_attention_layers_with_the_kernel_match_the_fallback():
     assert ref_idxs.keys() == out_idxs.keys() and all(torch.equal(ref_idxs[i], out_idxs[i]) for i in ref_idxs)
     for want, got in zip(ref, out):
         assert rel_l2(got, want) < 1e-2
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("head_rows", [40, 0, 150])  # a window ring and compressed rows; all rows in one part
+@pytest.mark.parametrize("tiling", ["whole", "split"])
+def test_kv_in_two_parts_equals_the_joined_kv(head_rows, tiling):
+    """`kv_tail`: the indices address ``cat([kv, kv_tail], 1)``; the kernel reads each picked row
+    where it lies, bit for bit the result on the joined rows (the same rows in the same order)."""
+    q, kv, idx, sink = _inputs(2, 1, 4, 32, 150, 130, seed=head_rows + len(tiling))
+    head, tail = kv[:, :head_rows], kv[:, head_rows:]
+    joined = sa.sparse_attention_triton(q, kv, idx, sink, 0.2, config=_tiling(tiling, 32))
+    parts = sa.sparse_attention_triton(q, head, idx, sink, 0.2, config=_tiling(tiling, 32), kv_tail=tail)
+    assert torch.equal(parts, joined)
+    assert torch.equal(sa.sparse_attention(q, head, idx, sink, 0.2, backend="torch", kv_tail=tail),
+                       sa.sparse_attention_torch(q, kv, idx, sink, 0.2))
+
+
+def test_kv_tail_errors():
+    q, kv, idx, sink = _inputs(1, 1, 4, 32, 20, 8, seed=1)
+    with pytest.raises(sa.SparseAttentionError, match="kv_tail must be"):
+        sa.sparse_attention(q, kv, idx, sink, 0.2, kv_tail=kv[..., :16])
+    with pytest.raises(sa.SparseAttentionError, match="bfloat16"):
+        sa.sparse_attention(q, kv, idx, sink, 0.2, kv_tail=kv.float())
+    with pytest.raises(sa.SparseAttentionError, match=r"\[-1, 40\)"):
+        sa.sparse_attention(q, kv, idx + 30, sink, 0.2, backend="torch", kv_tail=kv)

@@ -71,12 +71,19 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
     return _resolve_backend(backend, device, env_var=ENV_BACKEND, error=SparseAttentionError, what="sparse attention")
 
 
-def _check_inputs(q, kv, idx, sink) -> None:
+def _check_inputs(q, kv, idx, sink, kv_tail=None) -> None:
     if q.dim() != 4:
         raise SparseAttentionError(f"q must be [B, S, H, D], got shape {tuple(q.shape)}")
     b, s, h, d = q.shape
     if kv.dim() != 3 or kv.size(0) != b or kv.size(2) != d:
         raise SparseAttentionError(f"kv must be [B={b}, N, D={d}], got shape {tuple(kv.shape)}")
+    if kv_tail is not None:
+        if kv_tail.dim() != 3 or kv_tail.size(0) != b or kv_tail.size(2) != d:
+            raise SparseAttentionError(f"kv_tail must be [B={b}, N2, D={d}], got shape {tuple(kv_tail.shape)}")
+        if kv_tail.dtype != torch.bfloat16:
+            raise SparseAttentionError(f"kv_tail must be bfloat16, got {kv_tail.dtype}")
+        if kv_tail.device != q.device:
+            raise SparseAttentionError(f"kv_tail is on {kv_tail.device}, q on {q.device}")
     if idx.dim() != 3 or idx.shape[:2] != (b, s):
         raise SparseAttentionError(f"idx must be [B={b}, S={s}, K], got shape {tuple(idx.shape)}")
     if sink.shape != (h,):
@@ -147,16 +154,16 @@ def sparse_attention_torch(
 if triton is not None:
 
     def _sparse_attn_kernel(
-        q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr,
-        n_queries, n_heads, n_idx,
+        q_ptr, kv_ptr, kv2_ptr, idx_ptr, sink_ptr, out_ptr,
+        n_queries, n_heads, n_idx, n_kv_rows,
         stride_qb, stride_qm, stride_qh,
-        stride_kvb, stride_kvn,
+        stride_kvb, stride_kvn, stride_kv2b, stride_kv2n,
         stride_ib, stride_im,
         stride_ob, stride_om, stride_oh,
         scale,
         QUERY_BUCKET,  # autotuning key only: decode-sized and prefill-sized calls tune apart
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST_DOT: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST_DOT: tl.constexpr, TWO_SOURCES: tl.constexpr,
     ):
         # One program: one query row (b, m), BLOCK_H heads, BLOCK_DV output dims.
         # Bulk loads carry no masks (masks cost registers on [64, 512] tiles): heads past n_heads
@@ -174,6 +181,7 @@ if triton is not None:
         else:
             dv_ld = tl.minimum(dv, HEAD_DIM - 1)
         kv_base = kv_ptr + b * stride_kvb
+        kv2_base = kv2_ptr + b * stride_kv2b  # TWO_SOURCES: rows n_kv_rows.. of the joined kv
         idx_row = idx_ptr + b * stride_ib + m * stride_im
         slots = tl.arange(0, BLOCK_N)
 
@@ -190,7 +198,11 @@ if triton is not None:
             cols = start + slots
             idx = tl.load(idx_row + cols, mask=cols < n_idx, other=-1)
             valid = idx >= 0
-            rows = kv_base + tl.where(valid, idx, 0).to(tl.int64) * stride_kvn
+            safe = tl.where(valid, idx, 0).to(tl.int64)
+            if TWO_SOURCES:
+                rows = tl.where(safe < n_kv_rows, kv_base + safe * stride_kvn, kv2_base + (safe - n_kv_rows) * stride_kv2n)
+            else:
+                rows = kv_base + safe * stride_kvn
             if BLOCK_D == D_PAD and BLOCK_DV == D_PAD:
                 kt = tl.load(rows[None, :] + dv_ld[:, None])  # [D_PAD, BLOCK_N]
                 if UPCAST_DOT:
@@ -308,6 +320,7 @@ def sparse_attention_triton(
     sink: torch.Tensor,
     scale: float,
     config: dict | None = None,
+    kv_tail: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton kernel; arguments as :func:`sparse_attention`.
 
@@ -331,25 +344,30 @@ def sparse_attention_triton(
     out = torch.empty(b, m, h, d, dtype=torch.bfloat16, device=q.device)
     if b * m == 0:
         return out
-    if n_idx == 0 or kv.size(1) == 0:
+    if kv_tail is not None and kv.size(1) == 0:
+        kv, kv_tail = kv_tail, None  # every row is in the tail: a one-source launch over it
+    n_rows = kv.size(1) + (0 if kv_tail is None else kv_tail.size(1))
+    if n_idx == 0 or n_rows == 0:
         return out.zero_()  # no valid index anywhere (kv without rows admits only -1): 0 rows
     q = q if q.stride(-1) == 1 else q.contiguous()
     kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+    tail = kv if kv_tail is None else kv_tail if kv_tail.stride(-1) == 1 else kv_tail.contiguous()
     idx = idx.to(torch.int32)
     idx = idx if idx.stride(-1) == 1 else idx.contiguous()
     sink = sink.contiguous()
     d_pad = max(16, triton.next_power_of_2(d))
     args = (
-        q, kv, idx, sink, out,
-        m, h, n_idx,
+        q, kv, tail, idx, sink, out,
+        m, h, n_idx, kv.size(1),
         q.stride(0), q.stride(1), q.stride(2),
-        kv.stride(0), kv.stride(1),
+        kv.stride(0), kv.stride(1), tail.stride(0), tail.stride(1),
         idx.stride(0), idx.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         float(scale),
         _query_bucket(b * m),
     )
-    common = {"HEAD_DIM": d, "D_PAD": d_pad, "BLOCK_N": SPARSE_ATTN_BLOCK, "UPCAST_DOT": interpret}
+    common = {"HEAD_DIM": d, "D_PAD": d_pad, "BLOCK_N": SPARSE_ATTN_BLOCK, "UPCAST_DOT": interpret,
+              "TWO_SOURCES": kv_tail is not None}
     if config is None and q.is_cuda and not interpret:
 
         def grid(meta):
@@ -377,6 +395,7 @@ def sparse_attention(
     scale: float,
     backend: str = "auto",
     query_chunk: int | None = None,
+    kv_tail: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Single-KV-head sparse attention with a per-head sink (REFERENCE.md section 6.6).
 
@@ -395,6 +414,10 @@ def sparse_attention(
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see the module docstring).
         query_chunk: torch backend only: queries per step (None = all at once, the reference's
             op shapes); bounds the ``[B, chunk, 64, D]`` fp32 gather.
+        kv_tail: bf16 ``[B, N2, D]`` or None: rows ``N .. N + N2 - 1`` of the kv the indices
+            address, i.e. ``torch.cat([kv, kv_tail], dim=1)`` without the copy (the kernel reads
+            each picked row from where it lies; the torch backend joins them). The decode step
+            passes the window ring and the compressed rows so.
 
     Returns:
         bf16 ``[B, S, H, D]``; a query without any valid index gives 0.
@@ -403,10 +426,12 @@ def sparse_attention(
         SparseAttentionError: wrong ranks, shapes, dtypes or devices; indices outside
             ``[-1, N)`` (torch backend); an unknown backend, or ``"triton"`` where it cannot run.
     """
-    _check_inputs(q, kv, idx, sink)
+    _check_inputs(q, kv, idx, sink, kv_tail)
     backend = resolve_backend(backend, q.device)
     if backend == "triton":
-        return sparse_attention_triton(q, kv, idx, sink, scale)
+        return sparse_attention_triton(q, kv, idx, sink, scale, kv_tail=kv_tail)
+    if kv_tail is not None:
+        kv = torch.cat([kv, kv_tail], dim=1)
     if idx.numel() and (bool((idx < -1).any()) or bool((idx >= kv.size(1)).any())):
         raise SparseAttentionError(f"idx values must lie in [-1, {kv.size(1)}) (rows of kv); -1 marks an empty slot")
     return sparse_attention_torch(q, kv, idx, sink, scale, query_chunk)
