@@ -43,6 +43,7 @@ from ..triton_ops.moe_experts import MMA_CHOICES as MOE_EXPERTS_MMA_CHOICES
 from ..triton_ops.moe_prefill import ENV_BACKEND as MOE_PREFILL_ENV
 from ..triton_ops.quant_linear import ENV_BACKEND as QUANT_LINEAR_ENV
 from ..triton_ops.rms_norm import ENV_BACKEND as RMS_NORM_ENV
+from ..triton_ops.rope import ENV_BACKEND as ROPE_ENV
 from ..triton_ops.sparse_attention import ENV_BACKEND as SPARSE_ATTENTION_ENV
 from ..triton_ops.swiglu import ENV_BACKEND as SWIGLU_ENV
 from ..triton_ops.vision_rope import ENV_BACKEND as VISION_ROPE_ENV
@@ -62,6 +63,7 @@ KERNEL_ENV: dict[str, str | None] = {
     "moe_prefill": MOE_PREFILL_ENV,
     "vision_rope": VISION_ROPE_ENV,
     "swiglu": SWIGLU_ENV,
+    "rope": ROPE_ENV,
 }
 # kernel option -> (its environment variable, the allowed values, the default); read once per plan
 KERNEL_OPTION_ENV: dict[str, tuple[str, tuple[str, ...], str]] = {
