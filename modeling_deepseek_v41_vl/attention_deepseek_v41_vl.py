@@ -287,11 +287,14 @@ class DeepseekV41Attention(nn.Module):
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
         return apply_rotary(q, freqs, inplace=not needs_grad(q), fused=self._rope_fused(q))
 
-    def _sparse(self, q: torch.Tensor, kv: torch.Tensor, idxs: torch.Tensor) -> torch.Tensor:
-        # exact numerics: the torch fallback, in the reference's op sequence and shapes (chunk None)
+    def _sparse(self, q: torch.Tensor, kv: torch.Tensor, idxs: torch.Tensor, kv_tail: torch.Tensor | None = None) -> torch.Tensor:
+        # exact numerics: the torch fallback, in the reference's op sequence and shapes (chunk None);
+        # `kv_tail`: rows kv.size(1).. of the indexed kv, read in place by the kernel
         backend = self.numerics.backend("sparse_attention", q.device)
         chunk = self.numerics.query_chunk(q.size(0) * SPARSE_ATTN_BLOCK * (self.head_dim + self.n_heads), q.device)
-        return sparse_attention_op(q, kv, idxs, self.attn_sink, self.softmax_scale, backend=backend, query_chunk=chunk)
+        return sparse_attention_op(
+            q, kv, idxs, self.attn_sink, self.softmax_scale, backend=backend, query_chunk=chunk, kv_tail=kv_tail
+        )
 
     def sparse_attention_graph_safe(self, device: torch.device) -> bool:
         """Whether this layer's sparse attention on `device` can be captured in a CUDA graph: the
@@ -361,8 +364,8 @@ class DeepseekV41Attention(nn.Module):
         else:
             topk_idxs = step.topk_idxs[self.index_source]
         compressed = step.cache.layer(self.kv_source).compressed_kv.storage(width)
-        kv = torch.cat([own.window_kv, compressed], dim=1)
-        return self._sparse(q, kv, torch.cat([window_idxs, topk_idxs], dim=-1))
+        # the window ring's rows, then the compressed ones, each read where it lies
+        return self._sparse(q, own.window_kv, torch.cat([window_idxs, topk_idxs], dim=-1), kv_tail=compressed)
 
     def make_decode_rows(self, own) -> None:
         """Before a decode step: the row buffers this kv source writes (compressed KV, and index
