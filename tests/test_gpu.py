@@ -980,6 +980,46 @@ def test_rms_norm_kernel_agrees_with_the_torch_ops(shape, weight_dtype):
     assert int(ulps.max()) <= 1 and (ulps == 0).float().mean().item() >= 0.99
 
 
+@pytest.mark.parametrize("rows", [1, 64])
+def test_hc_mixes_sinkhorn_fused_equals_the_two_kernels(rows):
+    """The mixes' second launch with the split + Sinkhorn in it (`hc_mix.hc_mixes_sinkhorn_triton`),
+    compiled, against the projection then `hc_split_sinkhorn_triton`: bit for bit (the same jit
+    helpers; the fused one reads back the row it stored, after a barrier)."""
+    from deepseek_v41_vl.triton_ops.hc_mix import hc_mixes_sinkhorn_triton, hc_mixes_triton
+    from deepseek_v41_vl.triton_ops.hc_sinkhorn import hc_split_sinkhorn_triton
+
+    _require_compiled_triton()
+    gen = torch.Generator(device=CUDA).manual_seed(rows)
+    x = (torch.randn(rows, 1, 4, 5120, generator=gen, device=CUDA) * 4).to(torch.bfloat16)
+    fn = torch.randn(24, 4 * 5120, generator=gen, device=CUDA) * 0.01
+    scale, base = torch.rand(3, generator=gen, device=CUDA), torch.randn(24, generator=gen, device=CUDA) * 0.1
+    fused = hc_mixes_sinkhorn_triton(x, fn, 1e-6, scale, base, 20, 1e-6)
+    apart = hc_split_sinkhorn_triton(hc_mixes_triton(x, fn, 1e-6), scale, base, 4, 20, 1e-6)
+    for ours, ref in zip(fused, apart):
+        assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_text_rope_kernel_agrees_with_the_torch_ops(inverse):
+    """The text RoPE (`triton_ops/rope.py`), compiled, against `apply_rotary`'s torch ops at the
+    query's release shape (64 heads x 512, 64 rotated dims), in place and not: the same fp32
+    complex product (torch's may contract to an FMA on the GPU): at most one bf16 ulp apart."""
+    from deepseek_v41_vl.modeling.rope_deepseek_v41_vl import DeepseekV41RotaryEmbedding, apply_rotary
+    from deepseek_v41_vl.triton_ops.rope import apply_rotary_triton
+
+    _require_compiled_triton()
+    gen = torch.Generator(device=CUDA).manual_seed(5 + inverse)
+    x = (torch.randn(2, 3, 64, 512, generator=gen, device=CUDA) * 3).to(torch.bfloat16)
+    freqs = DeepseekV41RotaryEmbedding(64, 10000.0, None)(torch.tensor([[7, 8, 9], [300, 301, 302]], device=CUDA))
+    ref = apply_rotary(x, freqs, inverse=inverse)
+    ours = apply_rotary_triton(x, freqs, inverse=inverse)
+    ulps = (ours.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+    _METRICS[f"rope/inverse={inverse}"] = {"max_ulps": int(ulps.max()), "equal": (ulps == 0).float().mean().item()}
+    assert int(ulps.max()) <= 1
+    same = x.clone()
+    assert apply_rotary_triton(same, freqs, inverse=inverse, inplace=True) is same and torch.equal(same, ours)
+
+
 @pytest.mark.parametrize("batch, seq", [(1, 1), (4, 1), (1, 2048)])
 def test_hc_mix_kernels_agree_with_the_torch_ops(batch, seq):
     """The mHC collapse / expand (`triton_ops/hc_mix.py`), compiled, against the torch ops of
