@@ -131,14 +131,21 @@ def bench_shape(name: str, rows: int, device: torch.device, configs=None) -> lis
     return lines
 
 
-def sweep_configs(rows: int, name: str, device: torch.device):
+def sweep_configs(rows: int, name: str, device: torch.device, grid=None):
+    """Configs around the default: block_n x groups_per_iter x num_stages x num_warps, each with
+    the default split for its block_n, half and twice it (by default 54: a few minutes per shape,
+    mostly compilation)."""
     kind, n, k = SHAPES[name]
-    # 54 configs: a few minutes per shape, mostly compilation
-    for block_n, gpi, stages in itertools.product((32, 64, 128), (1, 2, 4), (2, 4)):
+    grid = grid or {}
+    for block_n, gpi, stages, warps in itertools.product(
+        grid.get("block_n", (32, 64, 128)), grid.get("groups_per_iter", (1, 2, 4)), grid.get("num_stages", (2, 4)),
+        grid.get("num_warps", (4,)),
+    ):
         base = default_config(rows, n, k, kind, device, block_n=block_n)
         for split in sorted({max(1, base.split_k // 2), base.split_k, base.split_k * 2}):
             yield default_config(
-                rows, n, k, kind, device, block_n=block_n, groups_per_iter=gpi, num_stages=stages, split_k=split
+                rows, n, k, kind, device, block_n=block_n, groups_per_iter=gpi, num_stages=stages, num_warps=warps,
+                split_k=split,
             )
 
 
@@ -147,7 +154,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument("--sweep", action="store_true", help="also time other launch configs (graph replay)")
+    for field in ("block_n", "groups_per_iter", "num_stages", "num_warps"):
+        parser.add_argument(f"--{field.replace('_', '-')}", type=int, nargs="+", help=f"the sweep's {field} values")
     args = parser.parse_args()
+    grid = {f: tuple(getattr(args, f)) for f in ("block_n", "groups_per_iter", "num_stages", "num_warps")
+            if getattr(args, f)}
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs CUDA")
     device = torch.device("cuda")
@@ -156,7 +167,7 @@ def main() -> None:
           "| graph GB/s | speed-up (graph vs fallback) | max diff (ulps) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for rows, name in itertools.product(args.rows, args.shapes):
-        configs = list(sweep_configs(rows, name, device)) if args.sweep else None
+        configs = list(sweep_configs(rows, name, device, grid)) if args.sweep else None
         for line in bench_shape(name, rows, device, configs):
             print(line, flush=True)
 
