@@ -1069,6 +1069,27 @@ def test_swiglu_kernel_equals_the_torch_ops(shape):
     assert torch.equal(ours.view(torch.int16), ref.view(torch.int16)), _METRICS[f"swiglu/{shape}"]
 
 
+def test_router_logits_in_fast_numerics_are_the_fp32_gemm_reordered():
+    """`DeepseekV41Gate.router_logits` in fast numerics on CUDA (one bf16 GEMM with fp32 output)
+    against the exact path's fp32 GEMM at release width: the same exact products, summed in
+    another order (within a few fp32 ulps of the row's scale), and the same experts picked."""
+    from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41TextConfig
+    from deepseek_v41_vl.modeling.moe_deepseek_v41_vl import DeepseekV41Gate
+
+    config = DeepseekV41TextConfig(hidden_size=5120, n_routed_experts=384, num_experts_per_tok=6)
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    fast = DeepseekV41Gate(config, 0, numerics="fast").to(CUDA)
+    exact = DeepseekV41Gate(config, 0, numerics="exact").to(CUDA)
+    with torch.no_grad():
+        for gate in (fast, exact):
+            gate.weight.copy_((torch.randn(384, 5120, generator=gen, device=CUDA) * 0.02).to(torch.bfloat16))
+            gen.manual_seed(0)
+        x = torch.randn(4, 5120, generator=gen, device=CUDA).to(torch.bfloat16)
+        ours, ref = fast.router_logits(x), exact.router_logits(x)
+    assert ours.dtype == torch.float32 and ours.shape == ref.shape
+    assert ((ours - ref).abs() <= 1e-5 * ref.abs().amax(dim=-1, keepdim=True)).all()
+
+
 @pytest.mark.parametrize("weighted", [False, True])
 def test_expert_swiglu_kernel_equals_the_expert_ops(weighted):
     """The language model's expert SwiGLU (`swiglu.expert_swiglu_triton`), compiled, against
