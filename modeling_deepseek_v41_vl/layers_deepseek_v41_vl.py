@@ -4,6 +4,7 @@ and the device and dtype contexts the blocks run in."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -73,12 +74,16 @@ class DeepseekV41Head(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> "DeepseekV41Head":
-        """A head holding `linear`'s weight (made fp32); it must have no bias."""
+        """A head holding `linear`'s weight (made fp32); it must have no bias. It is as initialised
+        as `linear` (transformers' `_is_hf_initialized`): a resized head, whose old rows were
+        copied, is not drawn again by a later `post_init`."""
         if linear.bias is not None:
             raise ValueError("the DeepSeek-V4.1 head has no bias")
         with torch.device("meta"):  # no [V, D] allocation for a weight replaced right away
             head = cls(*linear.weight.shape)
         head.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=linear.weight.requires_grad)
+        if getattr(linear, "_is_hf_initialized", False):
+            head._is_hf_initialized = True
         return head
 
     def reset_parameters(self) -> None:
@@ -114,6 +119,76 @@ class DeepseekV41EmbeddingsMixin:
         return embeddings
 
 
+class DeepseekV41DtypeCastMixin:
+    """`to`, `float`, `half`, `bfloat16` and `double` of the transformers classes (mixed in before
+    `PreTrainedModel`): a dtype cast does what `from_pretrained(dtype=...)` does, so the next
+    forward runs and computes what the model loaded that way computes.
+
+    Every module holds its storage dtype whatever the cast (fp8 weights with e8m0 scales, packed
+    fp4 experts, the fp32 head / mHC / sinks / gate biases / norms, bf16 embeddings and activations:
+    a value cast of these is wrong, and of packed fp4 not even implemented). torch.float32 makes
+    the vision tower and aligner fp32 and torch.bfloat16 bf16 again (`set_vision_dtype`); any
+    other floating or complex dtype changes nothing. The first cast to each dtype warns, naming
+    what was kept; a device in the same `to` call moves the model as usual.
+
+    Raises:
+        TypeError: a dtype that is neither floating nor complex (torch's own refusal).
+    """
+
+    def to(self, *args, **kwargs):
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is None or not (dtype.is_floating_point or dtype.is_complex):
+            return super().to(*args, **kwargs)
+        if device is not None or memory_format is not None:
+            moves = {"memory_format": memory_format} if memory_format is not None else {}
+            super().to(device=device, non_blocking=non_blocking, **moves)
+        return self._cast_keeping_storage(dtype, f".to({dtype})")
+
+    def float(self, *args):
+        return self._cast_keeping_storage(torch.float32, ".float()")
+
+    def bfloat16(self, *args):
+        return self._cast_keeping_storage(torch.bfloat16, ".bfloat16()")
+
+    def half(self, *args):
+        return self._cast_keeping_storage(torch.float16, ".half()")
+
+    def double(self, *args):
+        return self._cast_keeping_storage(torch.float64, ".double()")
+
+    def _cast_keeping_storage(self, dtype: torch.dtype, call: str):
+        followed = ()
+        if dtype in (torch.float32, torch.bfloat16) and self.model.vision_enabled:
+            self.set_vision_dtype(dtype)
+            followed = ("model.vision.", "model.aligner.")
+        warned = self.__dict__.setdefault("_dtype_casts_warned", set())
+        if dtype not in warned:
+            warned.add(dtype)
+            kept: dict[torch.dtype, int] = {}
+            for name, tensor in self.state_dict().items():
+                if tensor.is_floating_point() and not name.startswith(followed):
+                    kept[tensor.dtype] = kept.get(tensor.dtype, 0) + 1
+            what = ", ".join(f"{n} {str(d).removeprefix('torch.')}" for d, n in sorted(kept.items(), key=str))
+            kept_note = f"(kept: {what} tensors; the modules fix these dtypes and the model computes in bfloat16)"
+            if followed:
+                message = (
+                    f"{type(self).__name__}{call} does what from_pretrained(dtype={dtype}) does: the vision tower and "
+                    f"aligner are now {dtype}, and every other module keeps its storage dtype {kept_note}"
+                )
+            else:
+                message = (
+                    f"{type(self).__name__}{call} keeps the storage dtype of every module, as from_pretrained(dtype="
+                    f"{dtype}) does: {dtype} changes nothing {kept_note}. torch.float32 makes a vision tower and its "
+                    "aligner fp32 for fine-tuning (set_vision_dtype)"
+                )
+            warnings.warn(
+                message,
+                UserWarning,
+                stacklevel=3,
+            )
+        return self
+
+
 def on_device(device: torch.device):
     """Make `device` the current CUDA device for a block placed on another GPU by a device_map
     (Triton kernels launch on the current device's stream, and so does a CUDA-graph replay)."""
@@ -135,4 +210,7 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-__all__ = ["DeepseekV41Head", "DeepseekV41EmbeddingsMixin", "DeepseekV41RMSNorm", "default_dtype", "needs_grad", "on_device"]
+__all__ = [
+    "DeepseekV41Head", "DeepseekV41DtypeCastMixin", "DeepseekV41EmbeddingsMixin", "DeepseekV41RMSNorm", "default_dtype",
+    "needs_grad", "on_device",
+]

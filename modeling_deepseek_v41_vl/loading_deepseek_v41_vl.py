@@ -39,7 +39,7 @@ import json
 import logging
 import os
 import warnings
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -545,8 +545,8 @@ def _official_layout_index(path) -> dict[str, str] | None:
     return data["weight_map"]
 
 
-def _fill_quantized_storage(model: nn.Module, std: float) -> None:
-    for module in model.modules():
+def _fill_quantized_storage(modules: Iterable[nn.Module], std: float) -> None:
+    for module in modules:
         weight, scale = getattr(module, "weight", None), getattr(module, "scale", None)
         if weight is None or scale is None or weight.dtype not in (torch.float8_e4m3fn, torch.float4_e2m1fn_x2):
             continue
@@ -649,6 +649,8 @@ class DeepseekV41LoadingMixin:
         the model. Their forward follows their weights' dtype; the aligner rows meet the language
         model in bf16, as before. In fp32 small AdamW steps are not rounded away (bf16 loses most
         updates near 1e-5 relative size). `from_pretrained(..., dtype=torch.float32)` calls it.
+        The fp32 parameters of the built tower (`_keep_in_fp32_modules`: its RMSNorm weights) stay
+        fp32 under torch.bfloat16, so bfloat16 gives back the tower as loaded.
 
         Raises:
             DeepseekV41ModelError: the model has no vision tower, or `dtype` is not a float dtype.
@@ -657,19 +659,26 @@ class DeepseekV41LoadingMixin:
             raise DeepseekV41ModelError("this model has no vision tower (vision_config.num_hidden_layers == 0)")
         if dtype not in (torch.float32, torch.bfloat16):
             raise DeepseekV41ModelError(f"the vision dtype must be torch.float32 or torch.bfloat16, got {dtype!r}")
-        self.model.vision.to(dtype)
-        self.model.aligner.to(dtype)
+        fp32 = set(self._keep_in_fp32_modules or ())
+        for prefix in ("vision", "aligner"):
+            tower = getattr(self.model, prefix)
+            kept = [p for name, p in tower.named_parameters() if f"model.{prefix}.{name}" in fp32]
+            keep = {id(t) for p in kept for t in (p, p.grad) if t is not None}
+            tower._apply(lambda t: t.to(dtype) if t.is_floating_point() and id(t) not in keep else t)
         return self
 
     def init_weights(self) -> None:
         """`PreTrainedModel.init_weights` (`Model(config)`; `from_pretrained` disables it), then
         what `_init_weights` leaves to a checkpoint: random fp8 / fp4 codes, e8m0 scales near
-        `initializer_range`, the identity modulo the compressed vocabulary as Engram token map."""
+        `initializer_range`, the identity modulo the compressed vocabulary as Engram token map.
+        Only modules not initialised yet are filled (transformers' `_is_hf_initialized`), so a later
+        `post_init` (after `resize_token_embeddings`, say) keeps every loaded or drawn value."""
+        fresh = [module for module in self.modules() if not getattr(module, "_is_hf_initialized", False)]
         super().init_weights()
         if any(p.is_meta for p in self.parameters()):
             return
         with torch.no_grad():
-            _fill_quantized_storage(self, self.config.text_config.initializer_range)
+            _fill_quantized_storage(fresh, self.config.text_config.initializer_range)
             hasher = self.model.engram_hash
             if hasher is not None and int(hasher.token_map.min()) < 0:
                 ids = torch.arange(hasher.token_map.numel(), device=hasher.token_map.device)

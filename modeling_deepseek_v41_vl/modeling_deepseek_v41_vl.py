@@ -35,15 +35,14 @@ hooks for golden comparisons (`debug_deepseek_v41_vl.py`).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
-from transformers.modeling_outputs import BaseModelOutputWithPast, BaseModelOutputWithPooling, CausalLMOutputWithPast
-from transformers.utils import ModelOutput
+from transformers.modeling_outputs import BaseModelOutputWithPooling as ImageOutput
+from transformers.modeling_outputs import MultimodalBaseModelOutputWithPast, MultimodalCausalLMOutputWithPast
 
 from .attention_deepseek_v41_vl import DeepseekV41Attention
 from .attention_state_deepseek_v41_vl import (
@@ -62,36 +61,19 @@ from .conversation_deepseek_v41_vl import continuation_images, count_images
 from .generation_deepseek_v41_vl import DeepseekV41GenerationMixin
 from .hyper_connection_deepseek_v41_vl import DeepseekV41HyperConnection, identity_pre_mix
 from .image_spans_deepseek_v41_vl import check_image_spans, image_span_length, llm_grid, parse_image_grid
-from .layers_deepseek_v41_vl import DeepseekV41Head, DeepseekV41EmbeddingsMixin, DeepseekV41RMSNorm, default_dtype
+from .layers_deepseek_v41_vl import (
+    DeepseekV41DtypeCastMixin, DeepseekV41EmbeddingsMixin, DeepseekV41Head, DeepseekV41RMSNorm, default_dtype,
+)
 from .loading_deepseek_v41_vl import DeepseekV41LoadingMixin
 from .moe_deepseek_v41_vl import DeepseekV41Gate
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, apply_numerics
+from .outputs_deepseek_v41_vl import DeepseekV41TransformerOutput, image_encoder_output, refuse_output_attentions
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
 from .vision_deepseek_v41_vl import DeepseekV41VisionAligner, DeepseekV41VisionTransformer
 
 
 def _fp32_parameter_names(module: nn.Module) -> list[str]:
     return [name for name, param in module.named_parameters() if param.dtype == torch.float32]
-
-
-@dataclass
-class DeepseekV41TransformerOutput(ModelOutput):
-    """Output of :class:`DeepseekV41Transformer`.
-
-    Attributes:
-        logits: fp32 ``[B, K, V]``, the last K positions (``logits_to_keep``; all when 0).
-        cache: the :class:`DeepseekV41Cache` holding the decode state (None without one).
-        last_hidden_state: bf16 ``[B, S, D]``, the `norm` output (the head input).
-        hidden_states: with `output_hidden_states`, ``num_hidden_layers + 1`` bf16 ``[B, S, D]``:
-            the embedding output, then the residual stream after each block but the last
-            collapsed by the mix the next block's attention reads it with (``hc_pre``), then
-            `last_hidden_state` (transformers' convention: the last entry is after the final norm).
-    """
-
-    logits: torch.Tensor | None = None
-    cache: DeepseekV41Cache | None = None
-    last_hidden_state: torch.Tensor | None = None
-    hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
 class DeepseekV41Transformer(nn.Module):
@@ -186,19 +168,21 @@ class DeepseekV41Transformer(nn.Module):
         return self.encode_images(pixel_values, image_grid_thw)[1]
 
     def encode_images(
-        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | Sequence[Sequence[int]], output_hidden_states=False
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """(ViT output ``[sum n_vit_h * n_vit_w, vision width]``, aligner rows ``[sum n_llm_h *
-        n_llm_w, D]``), both bf16, images in order and each row-major.
+        n_llm_w, D]``, with `output_hidden_states` the ViT's hidden states
+        (:meth:`DeepseekV41VisionTransformer.forward_with_hidden_states`) else None), all bf16.
 
         Raises:
             DeepseekV41ModelError: the model has no vision tower.
+            DeepseekV41VisionInputError: malformed `pixel_values` or `image_grid_thw`.
         """
         if not self.vision_enabled:
             raise DeepseekV41ModelError("this model has no vision tower (vision_config.num_hidden_layers == 0)")
         self._follow_config_numerics()
-        vit = self.vision(pixel_values, image_grid_thw)
-        return vit, self.aligner(vit, image_grid_thw)
+        vit, states = self.vision.forward_with_hidden_states(pixel_values, image_grid_thw, output_hidden_states)
+        return vit, self.aligner(vit, image_grid_thw), states
 
     def get_image_span_embeddings(
         self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]
@@ -215,7 +199,10 @@ class DeepseekV41Transformer(nn.Module):
             DeepseekV41ModelError: the model has no vision tower.
             DeepseekV41VisionInputError: malformed `pixel_values` or `image_grid_thw`.
         """
-        features = self.get_image_features(pixel_values, image_grid_thw)
+        return self._span_embeddings(self.get_image_features(pixel_values, image_grid_thw), image_grid_thw)
+
+    def _span_embeddings(self, features: torch.Tensor, image_grid_thw) -> torch.Tensor:
+        """:meth:`get_image_span_embeddings` from the aligner rows `features`."""
         dtype = self.embed.weight.dtype
         spans, row = [], 0
         for n_h, n_w in self.image_llm_grids(image_grid_thw):
@@ -314,7 +301,9 @@ class DeepseekV41Transformer(nn.Module):
 
         if pixel_values is not None and image_span_embeds is not None:
             raise DeepseekV41ModelError("pass pixel_values or image_span_embeds, not both")
-        image_mask, span_rows = self._image_positions(input_ids, mm_token_type_ids, pixel_values, image_grid_thw, image_span_embeds)
+        image_mask, span_rows, image_outputs = self._image_positions(
+            input_ids, mm_token_type_ids, pixel_values, image_grid_thw, image_span_embeds, output_hidden_states
+        )
         engram_mask = None if image_mask is None else ~image_mask
         if cache is not None and (attention_mask is not None or start_pos == 0):
             pads = left_padding_offsets(attention_mask, start_pos, input_ids.size(1))
@@ -371,12 +360,13 @@ class DeepseekV41Transformer(nn.Module):
             logits = self.head(hidden[:, -logits_to_keep:])
         return DeepseekV41TransformerOutput(
             logits=logits, cache=cache, last_hidden_state=hidden,
-            hidden_states=None if collected is None else tuple(collected),
+            hidden_states=None if collected is None else tuple(collected), image_outputs=image_outputs,
         )
 
-    def _image_positions(self, input_ids, mm_token_type_ids, pixel_values, image_grid_thw, image_span_embeds):
-        """The image-span mask ``[B, S]`` (None without `mm_token_type_ids`) and the rows to
-        scatter into it (None without images), after the checks that tie them together: the
+    def _image_positions(self, input_ids, mm_token_type_ids, pixel_values, image_grid_thw, image_span_embeds, output_hidden_states):
+        """The image-span mask ``[B, S]`` (None without `mm_token_type_ids`), the rows to
+        scatter into it (None without images) and the encoder output of `pixel_values`
+        (:func:`image_encoder_output`, None without them), after the checks that tie them together: the
         marks, the placeholder count (and with `pixel_values` whole spans, in order), and the
         image token id exactly on the marked positions."""
         if mm_token_type_ids is None:
@@ -393,11 +383,13 @@ class DeepseekV41Transformer(nn.Module):
             if bool(((mm_token_type_ids != 0) & (mm_token_type_ids != 1)).any()):
                 raise DeepseekV41ModelError("mm_token_type_ids must hold only 0 (text) and 1 (image span)")
             image_mask = mm_token_type_ids == 1
-        span_rows = None
+        span_rows = image_outputs = None
         if pixel_values is not None:
             lengths = [image_span_length(n_h, n_w) for n_h, n_w in self.image_llm_grids(image_grid_thw)]
             check_image_spans(image_mask, lengths, error=DeepseekV41ModelError)
-            span_rows = self.get_image_span_embeddings(pixel_values, image_grid_thw)
+            vit, rows, states = self.encode_images(pixel_values, image_grid_thw, output_hidden_states)
+            span_rows = self._span_embeddings(rows, image_grid_thw)
+            image_outputs = image_encoder_output(vit, rows, states, self.image_llm_grids(image_grid_thw))
         elif image_span_embeds is not None:
             # rows already hold each span position's vector; a chunk may hold part of a span
             n_slots = int(image_mask.sum())
@@ -414,7 +406,7 @@ class DeepseekV41Transformer(nn.Module):
         is_image_id = input_ids == self.config.image_token_id
         mismatch = is_image_id if image_mask is None else is_image_id != image_mask
         if not bool(mismatch.any()):
-            return image_mask, span_rows
+            return image_mask, span_rows, image_outputs
         if image_mask is not None and bool((image_mask & ~is_image_id).any()):
             raise DeepseekV41ModelError(f"every image-span position must carry image_token_id {self.config.image_token_id}")
         row, col = torch.nonzero(mismatch)[0].tolist()  # now an image id outside the marks
@@ -425,7 +417,7 @@ class DeepseekV41Transformer(nn.Module):
         )
 
 
-class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
+class DeepseekV41PreTrainedModel(DeepseekV41DtypeCastMixin, DeepseekV41LoadingMixin, PreTrainedModel):
     """Base class: config class, weight init, loading rules and device-map constraints.
 
     - `base_model_prefix` ``"model"`` holds the :class:`DeepseekV41Transformer`, whose parameter
@@ -436,7 +428,8 @@ class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
       `dtype` passed to `from_pretrained`: the loader casts each stored tensor to the dtype of the
       parameter it fills, which for a converted folder is always its own dtype (no value change), and
       packed fp4 is viewed, never cast (`loading_deepseek_v41_vl.py`: :class:`DeepseekV41LoadingMixin`
-      holds every loading and saving hook).
+      holds every loading and saving hook). A dtype cast (`.float()`, `.to(torch.float32)`, ...)
+      does the same (:class:`DeepseekV41DtypeCastMixin`).
     - `_keep_in_fp32_modules` lists the exact fp32 parameters of the instance (a name pattern such
       as ``compressor.wkv`` would also catch the bf16 ratio-1 compressors).
     - `_no_split_modules`: a decoder layer (its mHC, attention, MoE and Engram) and a ViT block
@@ -531,20 +524,33 @@ class DeepseekV41PreTrainedModel(DeepseekV41LoadingMixin, PreTrainedModel):
         self,
         pixel_values: torch.Tensor,
         image_grid_thw: torch.Tensor | Sequence[Sequence[int]],
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         return_dict: bool | None = None,
-        **kwargs,
-    ) -> BaseModelOutputWithPooling | tuple:
-        """The images' features, as transformers v5 models return them.
+        **kwargs,  # accepted for transformers' callers, unused
+    ) -> ImageOutput | tuple:
+        """The images' features, as transformers v5 VLMs return them.
+
+        Args:
+            pixel_values: float ``[total_patches, 588]`` (or ``[total_patches, 3, 14, 14]``).
+            image_grid_thw: int ``[n_images, 3]``, rows ``(1, n_vit_h, n_vit_w)``.
+            output_hidden_states / output_attentions / return_dict: None follows the config;
+                hidden states are the ViT's, attentions are refused, False gives `to_tuple()`.
 
         Returns:
-            `BaseModelOutputWithPooling`: ``last_hidden_state`` the ViT output, bf16
-            ``[sum n_vit_h * n_vit_w, vision hidden_size]``; ``pooler_output`` the aligner rows
-            the IMAGE positions of the spans receive, bf16 ``[sum n_llm_h * n_llm_w, hidden_size]``
-            (images in order, each row-major). A tuple in that order when `return_dict` is False.
-            See :meth:`DeepseekV41Transformer.encode_images`.
+            `BaseModelOutputWithPooling` (bf16; :func:`image_encoder_output`): the ViT output, one
+            ``[n_llm_h * n_llm_w, hidden_size]`` of aligner rows per image, with
+            `output_hidden_states` the ViT's hidden states; a tuple when `return_dict` is False.
+
+        Raises:
+            DeepseekV41ModelError: `output_attentions` (no dense weights exist); no vision tower.
+            DeepseekV41VisionInputError: malformed `pixel_values` or `image_grid_thw`.
         """
-        vit, rows = self.model.encode_images(pixel_values, image_grid_thw)
-        output = BaseModelOutputWithPooling(last_hidden_state=vit, pooler_output=rows)
+        refuse_output_attentions(self.config, output_attentions)
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        vit, rows, states = self.model.encode_images(pixel_values, image_grid_thw, bool(output_hidden_states))
+        output = image_encoder_output(vit, rows, states, self.model.image_llm_grids(image_grid_thw))
         return output if self._returns_dict(return_dict) else output.to_tuple()
 
     # -- shared forward plumbing ----------------------------------------------------------
@@ -601,7 +607,8 @@ class DeepseekV41Model(DeepseekV41EmbeddingsMixin, DeepseekV41PreTrainedModel):
     """The backbone for `AutoModel`: returns the final normed hidden states (the head input).
 
     Forward args as :meth:`DeepseekV41ForConditionalGeneration.forward`; returns
-    `BaseModelOutputWithPast` (``last_hidden_state`` bf16 ``[B, S, D]``, ``cache``).
+    `MultimodalBaseModelOutputWithPast` (``last_hidden_state`` bf16 ``[B, S, D]``, ``cache``,
+    ``hidden_states``, ``image_outputs``).
     """
 
     def __init__(self, config: DeepseekV41Config):
@@ -622,14 +629,17 @@ class DeepseekV41Model(DeepseekV41EmbeddingsMixin, DeepseekV41PreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
-    ) -> BaseModelOutputWithPast | tuple:
+    ) -> MultimodalBaseModelOutputWithPast | tuple:
+        refuse_output_attentions(self.config, output_attentions)
         out = self._run(
             input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw,
             cache if cache is not None else past_key_values, use_cache, inputs_embeds, 1, output_hidden_states,
         )
-        output = BaseModelOutputWithPast(last_hidden_state=out.last_hidden_state, cache=out.cache, hidden_states=out.hidden_states)
+        output = MultimodalBaseModelOutputWithPast(last_hidden_state=out.last_hidden_state, cache=out.cache,
+                                                   hidden_states=out.hidden_states, image_outputs=out.image_outputs)
         return output if self._returns_dict(return_dict) else output.to_tuple()
 
 
@@ -669,9 +679,10 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41EmbeddingsMixin, DeepseekV4
         inputs_embeds: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
-    ) -> CausalLMOutputWithPast | tuple:
+    ) -> MultimodalCausalLMOutputWithPast | tuple:
         """Prefill (empty or no cache), a next turn on a filled cache, or a one-token decode step.
 
         Args:
@@ -691,19 +702,23 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41EmbeddingsMixin, DeepseekV4
                 computes the head exactly as the reference (a GEMM over ``[B, D]``).
             position_ids: ignored (positions follow the cache). inputs_embeds: refused.
             output_hidden_states: return ``hidden_states``, ``num_hidden_layers + 1`` bf16
-                ``[B, S, D]`` (the mHC stream collapsed; see `DeepseekV41TransformerOutput`).
+                ``[B, S, D]`` (the mHC stream collapsed; see `DeepseekV41TransformerOutput`), and the
+                vision tower's in ``image_outputs.hidden_states``.
+            output_attentions: refused when true (or None and `config.output_attentions`).
             return_dict: False returns the output's `to_tuple()` (loss first when labels are
                 given); None follows `config.return_dict`.
             kwargs: reach `loss_function` (`num_items_in_batch`, `shift_labels`, ...).
 
         Returns:
-            `CausalLMOutputWithPast`: ``logits`` fp32 ``[B, K, V]``, ``cache``, ``loss``; or its tuple.
+            `MultimodalCausalLMOutputWithPast`: ``logits`` fp32 ``[B, K, V]``, ``cache``, ``loss``,
+            ``image_outputs`` (as :meth:`get_image_features`; None without `pixel_values`); or its tuple.
 
         Raises:
-            DeepseekV41ModelError: inputs_embeds, a cache of another type, image spans that do not
-                fit the images (see `continuation_images` for a filled cache).
+            DeepseekV41ModelError: `output_attentions`, inputs_embeds, a cache of another type,
+                image spans that do not fit the images (see `continuation_images` for a filled cache).
             DeepseekV41AttentionError: more than one token per decode step.
         """
+        refuse_output_attentions(self.config, output_attentions)
         if labels is not None:
             logits_to_keep = 0
             use_cache = False if use_cache is None else use_cache  # training: no cache unless asked
@@ -721,7 +736,8 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41EmbeddingsMixin, DeepseekV4
             loss = self.loss_function(
                 logits=out.logits, labels=labels, vocab_size=self.config.text_config.vocab_size, **kwargs
             )
-        output = CausalLMOutputWithPast(loss=loss, logits=out.logits, cache=out.cache, hidden_states=out.hidden_states)
+        output = MultimodalCausalLMOutputWithPast(loss=loss, logits=out.logits, cache=out.cache,
+                                                  hidden_states=out.hidden_states, image_outputs=out.image_outputs)
         return output if self._returns_dict(return_dict) else output.to_tuple()
 
 

@@ -221,13 +221,56 @@ class DeepseekV41VisionTransformer(nn.Module):
         self.blocks = nn.ModuleList(DeepseekV41VisionBlock(config, numerics) for _ in range(config.num_hidden_layers))
         self.norm = DeepseekV41VisionRMSNorm(config.hidden_size, config.rms_norm_eps, numerics)
 
-    def forward_image(self, patches: torch.Tensor, n_h: int, n_w: int) -> torch.Tensor:
-        """One image: patches [n_h * n_w, 588] in the model dtype -> [n_h * n_w, hidden_size]."""
+    def forward_image(
+        self, patches: torch.Tensor, n_h: int, n_w: int, states: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """One image: patches [n_h * n_w, 588] in the model dtype -> [n_h * n_w, hidden_size].
+
+        `states`, when given, receives the image's ``num_hidden_layers + 1`` hidden states, each
+        [n_h * n_w, hidden_size]: the patch embedding, every block's output but the last, then
+        the final-norm output (the return value; transformers' convention, as in the language
+        model's `hidden_states`). Collecting them changes no value.
+        """
         hidden_states = self.patch_embed(patches)
         cos, sin = self.rotary_emb(n_h, n_w, hidden_states.device)
-        for block in self.blocks:
+        if states is not None:
+            states.append(hidden_states)
+        for index, block in enumerate(self.blocks):
             hidden_states = block(hidden_states, cos, sin)
-        return self.norm(hidden_states)
+            if states is not None and index < len(self.blocks) - 1:
+                states.append(hidden_states)
+        hidden_states = self.norm(hidden_states)
+        if states is not None:
+            states.append(hidden_states)
+        return hidden_states
+
+    def forward_with_hidden_states(
+        self,
+        pixel_values: torch.Tensor,
+        image_grid_thw: torch.Tensor | Sequence[Sequence[int]],
+        output_hidden_states: bool = True,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        """:meth:`forward` and, with `output_hidden_states`, the tower's per-block hidden states.
+
+        Returns:
+            (the :meth:`forward` output, ``num_hidden_layers + 1`` tensors
+            [total_patches, hidden_size] in the weights' dtype: the patch embedding, every block's
+            output but the last, the final-norm output; images joined in order as in the output),
+            or (the :meth:`forward` output, None) without `output_hidden_states`.
+
+        Raises:
+            DeepseekV41VisionInputError: malformed `pixel_values` or `image_grid_thw`.
+        """
+        if not output_hidden_states:
+            return self(pixel_values, image_grid_thw), None
+        patches = self.check_pixel_values(pixel_values)
+        grids = vision_grids(image_grid_thw, patches.shape[0])
+        per_image = []
+        for x, (h, w) in zip(patches.split([h * w for h, w in grids]), grids):
+            per_image.append([])
+            self.forward_image(x, h, w, per_image[-1])
+        states = tuple(torch.cat(level) for level in zip(*per_image))
+        return states[-1], states
 
     def forward(
         self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]

@@ -221,19 +221,25 @@ def plan_image_grid(
 # --------------------------------------------------------------------------------------------
 
 
-def array_to_image(array: np.ndarray | torch.Tensor) -> Image.Image:
+def array_to_image(array: np.ndarray | torch.Tensor, input_data_format: str | None = None) -> Image.Image:
     """A numpy array or torch tensor as a PIL image, the documented conversion for array input.
 
-    Layout: ``[H, W]`` (gray), ``[H, W, C]`` or ``[C, H, W]`` with C in 1, 3, 4. The first axis
-    is taken as channels when it has 1, 3 or 4 entries (transformers' rule), else the last.
+    Layout: ``[H, W]`` (gray), ``[H, W, C]`` or ``[C, H, W]`` with C in 1, 3, 4. With
+    `input_data_format` None the first axis is taken as channels when it has 1, 3 or 4 entries
+    (transformers' rule), else the last; "channels_first" / "channels_last" (or transformers'
+    `ChannelDimension.FIRST` / `.LAST`) name the channel axis of a 3-D array instead.
     Values: uint8 as they are; floats must lie in [0, 1] and become ``round(x * 255)``. The
     image then takes the PIL path (``convert("RGB")``: alpha dropped, gray replicated).
 
     Raises:
         DeepseekV41ImageError: another rank, channel count or dtype; floats outside [0, 1] or not
             finite; an empty array; a tensor whose values cannot be read (on the meta device, or
-            a layout / dtype NumPy cannot hold, e.g. sparse or bfloat16).
+            a layout / dtype NumPy cannot hold, e.g. sparse or bfloat16); a named channel axis
+            whose size is not 1, 3 or 4.
+        DeepseekV41ProcessingError: `input_data_format` is not None, "channels_first" or
+            "channels_last".
     """
+    layout = _data_format(input_data_format)
     if isinstance(array, torch.Tensor):
         if array.device.type == "meta":
             raise DeepseekV41ImageError(
@@ -246,7 +252,16 @@ def array_to_image(array: np.ndarray | torch.Tensor) -> Image.Image:
                 f"cannot read image tensor {tuple(array.shape)} {array.dtype} ({array.layout}) as an array: {err}"
             ) from err
     if array.ndim == 3:
-        if array.shape[0] in (1, 3, 4):
+        if layout is not None:
+            axis = 0 if layout == "channels_first" else -1
+            if array.shape[axis] not in (1, 3, 4):
+                raise DeepseekV41ImageError(
+                    f"image array {array.shape} with input_data_format={layout!r} has {array.shape[axis]} channels, "
+                    "not 1, 3 or 4"
+                )
+            if axis == 0:
+                array = np.moveaxis(array, 0, -1)
+        elif array.shape[0] in (1, 3, 4):
             array = np.moveaxis(array, 0, -1)
         elif array.shape[-1] not in (1, 3, 4):
             raise DeepseekV41ImageError(f"image array {array.shape} has no channel axis of 1, 3 or 4 (first or last)")
@@ -265,16 +280,25 @@ def array_to_image(array: np.ndarray | torch.Tensor) -> Image.Image:
     return Image.fromarray(np.ascontiguousarray(array))
 
 
-def _read_source(src: Any, allow_urls: bool, max_image_bytes: int | None) -> bytes | Image.Image:
+def _read_source(
+    src: Any, allow_urls: bool, max_image_bytes: int | None, input_data_format: str | None = None
+) -> bytes | Image.Image:
     """The encoded bytes of `src` (or a PIL image: `src` itself, or an array converted).
 
     `max_image_bytes` is checked before the data is decoded, and where the size is known before
-    reading (a file's size, a data URL's payload length), before it is read.
+    reading (a file's size, a data URL's payload length), before it is read. `input_data_format`
+    names an array's channel axis; any other input is decoded channels-last, so
+    "channels_first" is refused for it.
     """
+    if isinstance(src, (np.ndarray, torch.Tensor)):
+        return array_to_image(src, input_data_format)
+    if _data_format(input_data_format) == "channels_first":
+        raise DeepseekV41ProcessingError(
+            f"input_data_format='channels_first' describes a [C, H, W] array, but the image is a "
+            f"{type(src).__name__}, whose pixels are decoded channels-last: leave input_data_format unset"
+        )
     if isinstance(src, Image.Image):
         return src
-    if isinstance(src, (np.ndarray, torch.Tensor)):
-        return array_to_image(src)
     if isinstance(src, (bytes, bytearray, memoryview)):
         _check_bytes(len(src), max_image_bytes)
         return bytes(src)
@@ -409,6 +433,7 @@ def load_image(
     exif_orientation: str = "ignore",
     allow_urls: bool = False,
     max_image_bytes: int | None = DEFAULT_MAX_IMAGE_BYTES,
+    input_data_format: str | None = None,
 ) -> Image.Image:
     """Open one image as an RGB PIL image, as `inference/image_processor.py: load_image` does.
 
@@ -432,6 +457,9 @@ def load_image(
         max_image_bytes (`int`, *optional*, defaults to 20 MiB): cap on the encoded size in bytes,
             checked before decoding (before reading, where the size is known first; a file object
             or URL is read to at most one byte past it). `None`: no cap.
+        input_data_format (`str`, *optional*): channel axis of an array / tensor input,
+            "channels_first" or "channels_last" (see :func:`array_to_image`); None guesses it.
+            Other inputs are decoded channels-last: "channels_first" is refused for them.
 
     Returns:
         `PIL.Image.Image` in mode "RGB", fully loaded.
@@ -445,12 +473,14 @@ def load_image(
             what the cap allows, beyond Pillow's own limit, more encoded bytes than
             max_image_bytes (the message names the cap that refused it), or decoding ran out of
             memory (Pillow's `MemoryError`).
+        DeepseekV41ProcessingError: a bad `input_data_format`, or "channels_first" for an input
+            that is not an array / tensor.
     """
     if exif_orientation not in EXIF_ORIENTATION_POLICIES:
         raise DeepseekV41ImageError(
             f"exif_orientation must be one of {EXIF_ORIENTATION_POLICIES}, got {exif_orientation!r}"
         )
-    data = _read_source(src, allow_urls, max_image_bytes)
+    data = _read_source(src, allow_urls, max_image_bytes, input_data_format)
     if isinstance(data, Image.Image):
         _check_size(data.width, data.height, max_image_pixels, data)
         try:
@@ -647,6 +677,10 @@ class DeepseekV41ImageProcessorKwargs(ImagesKwargs, total=False):
     max_image_bytes (`int`, *optional*, defaults to 20 MiB): cap on an image's encoded size in bytes.
     exif_orientation (`str`, defaults to "ignore"): "ignore" or "apply".
     allow_urls (`bool`, defaults to False): allow fetching http(s) image URLs.
+
+    transformers' standard `do_rescale`, `rescale_factor`, `do_normalize`, `do_convert_rgb` and
+    `input_data_format` are inherited from `ImagesKwargs`; only the values of the reference's fixed
+    pipeline are accepted (see `DeepseekV41ImageProcessor`).
     """
 
     patch_size: int
@@ -665,6 +699,16 @@ class DeepseekV41ImageProcessorKwargs(ImagesKwargs, total=False):
 # nested image-processor dict) besides the settings; the constructor accepts only these extra keys.
 _SAVED_FILE_KEYS = ("auto_map", "processor_class", "feature_extractor_type", "_processor_class")
 
+# transformers' standard image options with the only values the reference's pipeline has: it
+# always converts to RGB, rescales by x / 255 (float32 division) and normalises with
+# (x - image_mean) / image_std. These values are accepted (and saved) so that configs and calls
+# written for transformers' image processors work; any other value would change the pixels and is
+# refused by name. None means the default, as in transformers.
+FIXED_PIPELINE_OPTIONS = {"do_convert_rgb": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True}
+
+# Channel layouts `input_data_format` may name (transformers' `ChannelDimension` values).
+_DATA_FORMATS = ("channels_first", "channels_last")
+
 # Attributes that define the processing; each may be overridden per call of `preprocess`.
 _SETTINGS = (
     "patch_size",
@@ -678,6 +722,7 @@ _SETTINGS = (
     "max_image_pixels",
     "max_image_bytes",
     "exif_orientation",
+    *FIXED_PIPELINE_OPTIONS,
 )
 
 
@@ -709,6 +754,12 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
             refused before anything is read.
         exif_orientation (`str`, defaults to "ignore"): "ignore" keeps the stored pixel order like the
             reference (a photo with EXIF Orientation 6 stays sideways); "apply" transposes first.
+        do_convert_rgb (`bool`, defaults to True), do_rescale (`bool`, defaults to True),
+        rescale_factor (`float`, defaults to 1/255), do_normalize (`bool`, defaults to True):
+            transformers' standard options, fixed by the reference's pipeline (RGB, float32
+            x / 255, (x - image_mean) / image_std). Only these values (or None, the default) are
+            accepted, at construction, in a saved config and per call; they are saved in
+            `preprocessor_config.json`. `rescale_factor` must equal the Python float 1 / 255.
 
     Integer settings accept NumPy integers (stored as Python ints); bools and floats are refused.
     Besides the settings, only the keys transformers writes to `preprocessor_config.json`
@@ -720,7 +771,8 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
             positive integer, min_pixels negative, max_wh_ratio not None or > 0, pad_color not 3
             integers in [0, 255], image_mean not finite, image_std not > 0 (1 or 3 numbers),
             max_image_pixels / max_image_bytes not None or a positive integer, exif_orientation
-            unknown.
+            unknown; do_convert_rgb / do_rescale / do_normalize not True, rescale_factor not
+            1 / 255 ("do_normalize=False would change the pixel values ...").
 
     Outputs of `preprocess` / `__call__` (a `BatchFeature`):
         pixel_values: float32 [sum_i n_vit_h_i * n_vit_w_i, 3 * patch_size**2], rows in image order,
@@ -747,6 +799,10 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
         max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
         max_image_bytes: int | None = DEFAULT_MAX_IMAGE_BYTES,
         exif_orientation: str = "ignore",
+        do_convert_rgb: bool | None = True,
+        do_rescale: bool | None = True,
+        rescale_factor: float | None = 1 / 255,
+        do_normalize: bool | None = True,
         **kwargs,
     ):
         kwargs.pop("image_processor_type", None)  # written by to_dict; the class is the type
@@ -770,6 +826,10 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
                 "max_image_pixels": max_image_pixels,
                 "max_image_bytes": max_image_bytes,
                 "exif_orientation": exif_orientation,
+                "do_convert_rgb": do_convert_rgb,
+                "do_rescale": do_rescale,
+                "rescale_factor": rescale_factor,
+                "do_normalize": do_normalize,
             }
         )
         super().__init__(**kwargs)
@@ -846,8 +906,11 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
             max_image_bytes=self.max_image_bytes,
         )
 
-    def process_one(self, src: ImageSource, allow_urls: bool = False, **overrides) -> tuple[torch.Tensor, ImagePlan]:
-        """Patches and plan of one image.
+    def process_one(
+        self, src: ImageSource, allow_urls: bool = False, input_data_format: str | None = None, **overrides
+    ) -> tuple[torch.Tensor, ImagePlan]:
+        """Patches and plan of one image (`input_data_format`: an array's channel axis, see
+        :func:`array_to_image`).
 
         Returns:
             (`torch.FloatTensor` [n_vit_h * n_vit_w, 3 * patch_size**2] float32, :class:`ImagePlan`).
@@ -864,6 +927,7 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
             exif_orientation=settings["exif_orientation"],
             allow_urls=allow_urls,
             max_image_bytes=settings["max_image_bytes"],
+            input_data_format=input_data_format,
         )
         plan = plan_image_grid(image.width, image.height, **self._plan_settings(settings))
         image = resize_to_plan(image, plan, pad_color=settings["pad_color"], max_wh_ratio=settings["max_wh_ratio"])
@@ -883,8 +947,12 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
             images: path, bytes, binary file object, PIL image, or a (nested) list of them.
             return_tensors (`str`, *optional*): "pt" for torch tensors, "np" or None for numpy.
             allow_urls (`bool`): allow fetching http(s) URLs.
-            kwargs: per-call overrides of the settings (patch_size, max_image_tokens, ...). Other
-                `ImagesKwargs` keys are accepted only when None.
+            input_data_format (`str` or `ChannelDimension`, *optional*): channel axis of array /
+                tensor images, "channels_first" or "channels_last"; None guesses it per array.
+                "channels_first" is refused for images that are not arrays (decoded channels-last).
+            kwargs: per-call overrides of the settings (patch_size, max_image_tokens, ...; the
+                fixed do_convert_rgb / do_rescale / rescale_factor / do_normalize accept only the
+                reference's values). Other `ImagesKwargs` keys are accepted only when None.
 
         Returns:
             `BatchFeature` with `pixel_values` float32 [sum N_i, 3 * patch_size**2],
@@ -895,10 +963,12 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
             DeepseekV41ImageError: no images, or an image cannot be loaded (see :func:`load_image`).
             DeepseekV41ImageTooLargeError, DeepseekV41ImagePlanError.
             DeepseekV41ProcessingError: an unknown option, a bad override value (same rules as the
-                constructor), or a `return_tensors` other than "pt", "np", None.
+                constructor, e.g. "rescale_factor=-1 would change the pixel values"), a bad
+                `input_data_format`, or a `return_tensors` other than "pt", "np", None.
         """
         if return_tensors not in (None, "pt", "np"):
             raise DeepseekV41ProcessingError(f"return_tensors must be 'pt', 'np' or None, got {return_tensors!r}")
+        input_data_format = _data_format(kwargs.pop("input_data_format", None))
         overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in _SETTINGS}
         unknown = sorted(k for k, v in kwargs.items() if v is not None)
         if unknown:
@@ -908,7 +978,7 @@ class DeepseekV41ImageProcessor(ProcessorSaveMixin, BaseImageProcessor):
             raise DeepseekV41ImageError("no images given")
         patches, grids, llm_grids = [], [], []
         for src in sources:
-            rows, plan = self.process_one(src, allow_urls=allow_urls, **overrides)
+            rows, plan = self.process_one(src, allow_urls=allow_urls, input_data_format=input_data_format, **overrides)
             patches.append(rows.numpy())
             grids.append((1, plan.n_vit_h, plan.n_vit_w))
             llm_grids.append((plan.n_llm_h, plan.n_llm_w))
@@ -1016,7 +1086,41 @@ def _checked_settings(s: dict[str, Any]) -> dict[str, Any]:
         raise DeepseekV41ProcessingError(
             f"exif_orientation must be one of {EXIF_ORIENTATION_POLICIES}, got {s['exif_orientation']!r}"
         )
+    for name in FIXED_PIPELINE_OPTIONS:
+        out[name] = _fixed_pipeline_option(name, s.get(name))
     return out
+
+
+def _fixed_pipeline_option(name: str, value: Any) -> bool | float:
+    """The value of a fixed pipeline option (None: its only value); any other value is refused,
+    naming the option and the value."""
+    fixed = FIXED_PIPELINE_OPTIONS[name]
+    if value is None:
+        return fixed
+    if name == "rescale_factor":
+        agrees = _is_real(value) and float(value) == fixed
+    else:
+        agrees = isinstance(value, (bool, np.bool_)) and bool(value) is fixed
+    if not agrees:
+        raise DeepseekV41ProcessingError(
+            f"{name}={value!r} would change the pixel values: DeepseekV41ImageProcessor reproduces the reference's "
+            "fixed pipeline (convert to RGB, float32 x / 255, then (x - image_mean) / image_std), so only "
+            f"{name}={fixed!r} (or None) is accepted"
+        )
+    return fixed
+
+
+def _data_format(value: Any) -> str | None:
+    """`input_data_format` as "channels_first" / "channels_last" (transformers' `ChannelDimension`
+    members are str enums of these values), or None."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or str(getattr(value, "value", value)) not in _DATA_FORMATS:
+        raise DeepseekV41ProcessingError(
+            f"input_data_format={value!r} is not a channel layout: use 'channels_first' ([C, H, W] arrays), "
+            "'channels_last' ([H, W, C]) or None (guessed per array)"
+        )
+    return str(getattr(value, "value", value))
 
 
 def _flatten(images) -> list:
@@ -1027,6 +1131,7 @@ def _flatten(images) -> list:
 
 __all__ = [
     "DEFAULT_MAX_IMAGE_BYTES",
+    "FIXED_PIPELINE_OPTIONS",
     "DEFAULT_MAX_IMAGE_PIXELS",
     "DeepseekV41ImageProcessor",
     "ImagePlan",

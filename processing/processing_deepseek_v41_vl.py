@@ -93,6 +93,21 @@ _CALL_OPTIONS = {
 }
 # transformers' structured form: `text_kwargs={...}` / `common_kwargs={...}` hold call options too
 _GROUPED_OPTIONS = ("text_kwargs", "common_kwargs")
+# Image-processor options given at the top level of a call: moved into `images_kwargs`, so the image
+# processor checks them (a bit-changing `rescale_factor` is refused there, not dropped here).
+_IMAGE_CALL_OPTIONS = frozenset(IMAGE_PROCESSOR_SETTINGS) | {"input_data_format"}
+# Text options whose default is the tokenizer's own setting when it was built with one (in its
+# `init_kwargs`), as transformers' `ProcessorMixin._merge_kwargs` reads them.
+_TOKENIZER_DEFAULT_OPTIONS = (
+    "padding",
+    "padding_side",
+    "truncation",
+    "max_length",
+    "pad_to_multiple_of",
+    "return_attention_mask",
+)
+# Side batches are padded on when the tokenizer was built without one: left, for generation.
+DEFAULT_PADDING_SIDE = "left"
 _FLAG_OPTIONS = (
     "add_special_tokens",
     "return_attention_mask",
@@ -146,15 +161,18 @@ def image_token_roles(
     return _image_token_roles(mm_token_type_ids, image_grid_thw, downsample_ratio, error=DeepseekV41ProcessorError)
 
 
-def _call_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+def _call_options(kwargs: dict[str, Any], tokenizer: Any = None) -> dict[str, Any]:
     """`__call__` options with the grouped forms flattened (top level, then `text_kwargs`, then
-    `common_kwargs`, as transformers orders them), image-processor settings given at the top
-    level moved into `images_kwargs`, unknown ones dropped with a warning (as transformers'
-    processors do), and the values checked.
+    `common_kwargs`, as transformers orders them), image-processor options given at the top
+    level (settings, transformers' standard image options, `input_data_format`) moved into
+    `images_kwargs`, unknown ones dropped with a warning (as transformers' processors do), the
+    text options not given taken from `tokenizer.init_kwargs` (see `_TOKENIZER_DEFAULT_OPTIONS`),
+    and the values checked.
 
     Raises:
         DeepseekV41ProcessorError: `sanitize_control_tokens` (this processor cannot honour it, and
-            ignoring a safety option would fail open), a group that is not a dict, bad values.
+            ignoring a safety option would fail open), a group that is not a dict, an image option
+            given at the top level and in `images_kwargs` with different values, bad values.
     """
     options: dict[str, Any] = {}
     for group in reversed(_GROUPED_OPTIONS):  # common_kwargs first: text_kwargs, then the top level win
@@ -169,10 +187,21 @@ def _call_options(kwargs: dict[str, Any]) -> dict[str, Any]:
             "would be tokenized as they are; use apply_chat_template(..., tokenize=True, split_special_tokens=True)"
         )
     options.pop("sanitize_control_tokens", None)
-    moved = {key: options.pop(key) for key in list(options) if key in IMAGE_PROCESSOR_SETTINGS and key not in _CALL_OPTIONS}
+    moved = {key: options.pop(key) for key in list(options) if key in _IMAGE_CALL_OPTIONS and key not in _CALL_OPTIONS}
     if moved:
         images = options.get("images_kwargs")
-        options["images_kwargs"] = {**moved, **(dict(images) if isinstance(images, Mapping) else {})}
+        images = dict(images) if isinstance(images, Mapping) else {}
+        twice = sorted(
+            key for key in moved if key in images and images[key] is not moved[key] and images[key] != moved[key]
+        )
+        if twice:
+            given = ", ".join(f"{key}={moved[key]!r} and images_kwargs[{key!r}]={images[key]!r}" for key in twice)
+            raise DeepseekV41ProcessorError(f"image options given twice with different values ({given}): give one value")
+        options["images_kwargs"] = {**moved, **images}  # equal values given twice are one value
+    init_kwargs = getattr(tokenizer, "init_kwargs", None) or {}
+    for key in _TOKENIZER_DEFAULT_OPTIONS:
+        if options.get(key) is None and init_kwargs.get(key) is not None:
+            options[key] = getattr(tokenizer, key, init_kwargs[key])
     unknown = sorted(key for key, value in options.items() if key not in _CALL_OPTIONS and value is not None)
     if unknown:
         warnings.warn(f"DeepseekV41Processor ignores the options {unknown}", UserWarning, stacklevel=3)
@@ -357,6 +386,23 @@ def _normalized_conversations(conversation: Any) -> tuple[list[list[dict[str, An
     return out, batched
 
 
+def _saved_padding_side(processor_dict: dict[str, Any], kwargs: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """(`padding_side` given to `from_pretrained`, else the one saved in `processor_config.json`, or
+    None; the saved dict without it). `kwargs` loses the key too: it is not a constructor argument."""
+    processor_dict = dict(processor_dict)
+    saved = processor_dict.pop("padding_side", None)
+    given = kwargs.pop("padding_side", None)
+    return (given if given is not None else saved), processor_dict
+
+
+def _with_padding_side(result, side: str | None):
+    """`result` (a processor, or `(processor, unused kwargs)`) with `side` set on its tokenizer."""
+    processor = result[0] if isinstance(result, tuple) else result
+    if side is not None:
+        processor.padding_side = side
+    return result
+
+
 class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
     r"""Processor of DeepSeek-V4.1-Flash: a tokenizer, a :class:`DeepseekV41ImageProcessor` and the
     V4.1 chat template.
@@ -369,7 +415,16 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
         chat_template (`str`, *optional*): defaults to the packaged `chat_template.jinja`.
         image_token_id (`int`, defaults to 129264): id of every image-span position (config
             `image_token_id`).
-        padding_side (`str`, defaults to "left"): side batches are padded on.
+
+    `padding_side` is a call option, not a constructor argument: its default is the tokenizer's
+    `padding_side` (`processor.padding_side` reads and sets it). A tokenizer built without one
+    (`padding_side` not in its `init_kwargs`) is set to "left", for generation. The text options
+    `padding`, `truncation`, `max_length`, `pad_to_multiple_of` and `return_attention_mask` a
+    tokenizer was built with are likewise the defaults of a call, as in transformers' processors.
+
+    Raises:
+        DeepseekV41ProcessorError: no tokenizer, or `padding_side` given (set
+            `tokenizer.padding_side` or pass it to the call).
     """
 
     remote_code_auto_classes = ("AutoProcessor", "AutoImageProcessor")
@@ -382,7 +437,6 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
         tokenizer=None,
         chat_template=None,
         image_token_id: int = IMAGE_TOKEN_ID,
-        padding_side: str = "left",
         **kwargs,
     ):
         if image_processor is None:
@@ -392,14 +446,55 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
                 "DeepseekV41Processor needs a tokenizer; build one with "
                 "tokenizer_deepseek_v41_vl.load_deepseek_v41_tokenizer() or use DeepseekV41Processor.from_deepseek_tokenizer()"
             )
-        if padding_side not in ("left", "right"):
-            raise DeepseekV41ProcessorError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+        if "padding_side" in kwargs:
+            raise DeepseekV41ProcessorError(
+                f"padding_side is a call option (processor(..., padding_side={kwargs['padding_side']!r})) whose default "
+                "is the tokenizer's padding_side: set tokenizer.padding_side (or processor.padding_side) instead of "
+                "passing it to DeepseekV41Processor()"
+            )
         if chat_template is None:
             chat_template = default_chat_template()
         self.image_token = IMAGE_PLACEHOLDER
         self.image_token_id = int(image_token_id)
-        self.padding_side = padding_side
         super().__init__(image_processor, tokenizer, chat_template=chat_template, **kwargs)
+        if (getattr(self.tokenizer, "init_kwargs", None) or {}).get("padding_side") is None:
+            self.padding_side = DEFAULT_PADDING_SIDE
+
+    @property
+    def padding_side(self) -> str:
+        """Default side of a call's padding: the tokenizer's `padding_side` ("left" or "right").
+        Setting it sets the tokenizer's (and its saved `init_kwargs`)."""
+        return self.tokenizer.padding_side
+
+    @padding_side.setter
+    def padding_side(self, side: str) -> None:
+        if side not in ("left", "right"):
+            raise DeepseekV41ProcessorError(f"padding_side must be 'left' or 'right', got {side!r}")
+        self.tokenizer.padding_side = side
+        if isinstance(getattr(self.tokenizer, "init_kwargs", None), dict):
+            self.tokenizer.init_kwargs["padding_side"] = side
+
+    @classmethod
+    def from_args_and_dict(cls, args, processor_dict: dict[str, Any], **kwargs):
+        """As `ProcessorMixin.from_args_and_dict` (transformers < 5.25's `from_pretrained`); a
+        `padding_side` saved in `processor_config.json` (or passed to `from_pretrained`, which
+        wins) is set on the tokenizer."""
+        side, processor_dict = _saved_padding_side(processor_dict, kwargs)
+        return _with_padding_side(super().from_args_and_dict(args, processor_dict, **kwargs), side)
+
+    @classmethod
+    def from_dict(cls, processor_dict: dict[str, Any], **kwargs):
+        """As `ProcessorMixin.from_dict` (transformers >= 5.25's `from_pretrained`), with
+        `padding_side` handled as in :meth:`from_args_and_dict`."""
+        side, processor_dict = _saved_padding_side(processor_dict, kwargs)
+        return _with_padding_side(super().from_dict(processor_dict, **kwargs), side)
+
+    def to_dict(self) -> dict[str, Any]:
+        # `padding_side` is saved here as well as in tokenizer_config.json: a folder may take its
+        # tokenizer_config.json from elsewhere (the conversion copies the source checkpoint's).
+        output = super().to_dict()
+        output["padding_side"] = self.padding_side
+        return output
 
     @classmethod
     def from_deepseek_tokenizer(cls, image_processor=None, **kwargs) -> "DeepseekV41Processor":
@@ -455,7 +550,10 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
                 tokenizer's `truncation_side`; a cut that would reach an image span is refused.
             text_kwargs / common_kwargs (`dict`): transformers' grouped form of these options.
                 Unknown options are ignored with a warning, as transformers' processors do.
-            padding_side (`str`, *optional*): "left" or "right"; defaults to `self.padding_side`.
+            padding_side (`str`, *optional*): "left" or "right"; defaults to the tokenizer's
+                `padding_side` (`self.padding_side`). `padding`, `truncation`, `max_length`,
+                `pad_to_multiple_of` and `return_attention_mask` not given default to the values
+                the tokenizer was built with (its `init_kwargs`), as in transformers.
             pad_to_multiple_of (`int`, *optional*): a positive int; padded length is rounded up to it.
             return_attention_mask, return_mm_token_type_ids (`bool`, default True).
             return_offsets_mapping (`bool`, default False): add `offset_mapping`, each token's
@@ -473,7 +571,10 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
                 removed (the offsets index the rendering without them), which ProcessorMixin uses
                 for `return_assistant_tokens_mask=True`.
             images_kwargs (`dict`, *optional*) and `allow_urls` (`bool`): passed to the image
-                processor. `patch_size` and `downsample_ratio` cannot be overridden per call: they
+                processor. Image-processor options given at the top level (its settings,
+                transformers' `do_rescale` / `rescale_factor` / `do_normalize` / `do_convert_rgb`,
+                `input_data_format`) go there too; the image processor refuses values that
+                would change the pixels, naming them. `patch_size` and `downsample_ratio` cannot be overridden per call: they
                 fix the span geometry, which must match the model's aligner (set them on the image
                 processor, e.g. `DeepseekV41ImageProcessor.from_vision_config`).
 
@@ -490,13 +591,14 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
                 surrogate, which the tokenizer cannot encode), bad options (a flag that is not a bool;
                 pad_to_multiple_of or max_length not a positive int; return_tensors not "pt"/"np"/None;
                 a truncation that would cut an image span;
-                images_kwargs not a dict or setting patch_size / downsample_ratio), unequal lengths
-                without padding.
+                images_kwargs not a dict or setting patch_size / downsample_ratio; an image option
+                given at the top level and in images_kwargs with different values), unequal
+                lengths without padding.
             DeepseekV41ImageError (and the other image-processor errors): an image cannot be used.
         """
         if videos is not None or audio is not None:
             raise DeepseekV41ProcessorError("DeepSeek-V4.1 takes text and images only (no videos, no audio)")
-        kwargs = _call_options(kwargs)
+        kwargs = _call_options(kwargs, self.tokenizer)
         return_tensors = kwargs.get("return_tensors")
         images_kwargs = dict(kwargs.get("images_kwargs") or {})
         if kwargs.get("allow_urls") is not None:
@@ -676,7 +778,7 @@ class DeepseekV41Processor(ProcessorSaveMixin, ProcessorMixin):
         """Pad every column of `columns` (see `_truncate`) and build the attention mask."""
         sequences = columns["input_ids"]
         padding = kwargs.get("padding", True)
-        side = kwargs.get("padding_side") or self.padding_side
+        side = kwargs.get("padding_side") or self.tokenizer.padding_side
         if side not in ("left", "right"):
             raise DeepseekV41ProcessorError(f"padding_side must be 'left' or 'right', got {side!r}")
         if padding not in (True, False, "longest", "max_length", "do_not_pad"):

@@ -189,9 +189,11 @@ def _jit(name: str):
         scope = dict(globals())
         for fn_name in _JIT_NAMES:
             raw = globals()[fn_name]
-            scope[fn_name] = triton.jit(
-                types.FunctionType(raw.__code__, scope, fn_name, raw.__defaults__, raw.__closure__)
-            )
+            fn = types.FunctionType(raw.__code__, scope, fn_name, raw.__defaults__, raw.__closure__)
+            # the annotations mark the tl.constexpr parameters (FunctionType does not copy them)
+            fn.__annotations__ = dict(raw.__annotations__)
+            fn.__kwdefaults__, fn.__qualname__, fn.__module__ = raw.__kwdefaults__, raw.__qualname__, raw.__module__
+            scope[fn_name] = triton.jit(fn)
         _SCOPES[interpret] = scope
     return scope[name]
 
