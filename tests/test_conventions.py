@@ -166,11 +166,12 @@ def test_get_image_features_follows_transformers_v5(converted_tiny_fp8, model, p
         as_tuple = model.get_image_features(inputs["pixel_values"], grid, return_dict=False)
         rows = model.model.get_image_features(inputs["pixel_values"], grid)
         vit = model.model.vision(inputs["pixel_values"], grid)
-    assert torch.equal(out.pooler_output, rows) and torch.equal(out.last_hidden_state, vit)
+    assert torch.equal(torch.cat(out.pooler_output), rows) and torch.equal(out.last_hidden_state, vit)
     assert out.last_hidden_state.shape == (int(grid.prod(-1).sum()), model.config.vision_config.hidden_size)
     n_rows = sum(h * w for h, w in model.model.image_llm_grids(grid))
-    assert out.pooler_output.shape == (n_rows, model.config.text_config.hidden_size)
-    assert len(as_tuple) == 2 and torch.equal(as_tuple[0], vit) and torch.equal(as_tuple[1], rows)
+    assert len(out.pooler_output) == len(grid) and sum(p.shape[0] for p in out.pooler_output) == n_rows
+    assert all(p.shape[1] == model.config.text_config.hidden_size for p in out.pooler_output)
+    assert len(as_tuple) == 2 and torch.equal(as_tuple[0], vit) and torch.equal(torch.cat(as_tuple[1]), rows)
     text_model = AutoModelForCausalLM.from_pretrained(converted_tiny_fp8)
     assert not hasattr(text_model, "get_image_features")
 

@@ -842,7 +842,7 @@ def test_moe_expert_decode_variants_agree(tokens, monkeypatch):
             return finish[grid]
 
     monkeypatch.setattr(_moe_experts, "_gate_up_finish_kernel", _FinishSpy())
-    monkeypatch.setattr(_moe_experts, "_combine", lambda *a: combined.append(a[-1]) or combine(*a))
+    monkeypatch.setattr(_moe_experts, "_combine", lambda *a: combined.append(a[5]) or combine(*a))
     gen = torch.Generator(device=CUDA).manual_seed(tokens)
     moe = _random_released_moe("fp4", gen, scale_bytes=(119, 123))
     x = torch.randn(tokens, 512, generator=gen, device=CUDA).to(torch.bfloat16)
