@@ -363,7 +363,7 @@ class DeepseekV41Transformer(nn.Module):
             hidden_states=None if collected is None else tuple(collected), image_outputs=image_outputs,
         )
 
-    def _image_positions(self, input_ids, mm_token_type_ids, pixel_values, image_grid_thw, image_span_embeds, output_hidden_states):
+    def _image_positions(self, input_ids, mm_token_type_ids, pixel_values, image_grid_thw, image_span_embeds, output_hidden_states=False):
         """The image-span mask ``[B, S]`` (None without `mm_token_type_ids`), the rows to
         scatter into it (None without images) and the encoder output of `pixel_values`
         (:func:`image_encoder_output`, None without them), after the checks that tie them together: the
