@@ -155,22 +155,17 @@ class DeepseekV41Attention(nn.Module):
         )
         self.rotary = DeepseekV41RotaryEmbedding.for_layer(config, layer_id)
 
-    def _rope_fused(self, x: torch.Tensor) -> bool:
-        # the one-launch RoPE kernel (`triton_ops/rope.py`): the plan's `rope` backend is Triton
-        # (never in exact numerics) and autograd does not record (the kernel has no backward)
-        return self.numerics.backend("rope", x.device) == "triton" and not needs_grad(x)
-
     # -- window KV ----------------------------------------------------------------------------
     def window_kv_rows(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """This forward's window KV rows: ``wkv`` -> ``kv_norm`` -> RoPE -> fp8 fake-quant, bf16
         ``[B, S, head_dim]``."""
         kv = self.kv_norm(self.wkv(x))
-        kv = apply_rotary(kv, freqs, fused=self._rope_fused(kv))
+        kv = apply_rotary(kv, freqs, backend=self.numerics.backend("rope", kv.device))
         return fake_quant_fp8(kv, backend=self.numerics.backend("fake_quant", kv.device))
 
     def _compressed_row(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """A compressed-KV row of pre-RoPE latents: RoPE at `freqs`, then fp4 fake-quant."""
-        rows = apply_rotary(latent, freqs, fused=self._rope_fused(latent))
+        rows = apply_rotary(latent, freqs, backend=self.numerics.backend("rope", latent.device))
         return fake_quant_fp4(rows, *COMPRESSED_KV_FP4, backend=self.numerics.backend("fake_quant", rows.device))
 
     def _window_kv(self, x, freqs, state: DeepseekV41AttentionState):
@@ -285,7 +280,7 @@ class DeepseekV41Attention(nn.Module):
     def queries(self, qr: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """``wq_b`` and RoPE of the last `rope_dim` dims: qr ``[B, n, q_lora]`` -> bf16 ``[B, n, H, D]``."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        return apply_rotary(q, freqs, inplace=not needs_grad(q), fused=self._rope_fused(q))
+        return apply_rotary(q, freqs, inplace=not needs_grad(q), backend=self.numerics.backend("rope", q.device))
 
     def _sparse(self, q: torch.Tensor, kv: torch.Tensor, idxs: torch.Tensor, kv_tail: torch.Tensor | None = None) -> torch.Tensor:
         # exact numerics: the torch fallback, in the reference's op sequence and shapes (chunk None);
@@ -305,7 +300,7 @@ class DeepseekV41Attention(nn.Module):
         """Inverse RoPE, the grouped ``wo_a`` (bf16 einsum) and ``wo_b``: o bf16 ``[B, n, H, D]`` ->
         bf16 ``[B, n, dim]``."""
         bsz, n_rows = o.shape[:2]
-        o = apply_rotary(o, freqs, inverse=True, inplace=not needs_grad(o), fused=self._rope_fused(o))
+        o = apply_rotary(o, freqs, inverse=True, inplace=not needs_grad(o), backend=self.numerics.backend("rope", o.device))
         # heads g*H/G .. (g+1)*H/G-1 form group g; each group has its own o_lora_rank slice of wo_a
         o = o.view(bsz, n_rows, self.n_groups, -1)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)

@@ -23,7 +23,7 @@ from torch import nn
 from .attention_state_deepseek_v41_vl import DeepseekV41AttentionState
 from .compressor_deepseek_v41_vl import DeepseekV41Latents
 from .exceptions_deepseek_v41_vl import DeepseekV41AttentionError
-from .layers_deepseek_v41_vl import DeepseekV41RMSNorm, needs_grad
+from .layers_deepseek_v41_vl import DeepseekV41RMSNorm
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics
 from .quantization_deepseek_v41_vl import DeepseekV41Linear, fake_quant_fp4
 from .rope_deepseek_v41_vl import apply_rotary
@@ -128,11 +128,7 @@ class DeepseekV41Indexer(nn.Module):
     def index_keys_of(self, latent: torch.Tensor, latent_freqs: torch.Tensor) -> torch.Tensor:
         """Index keys of pre-RoPE latents ``[B, n, D]``: fp4(RoPE(k_norm(wk(latent)))) ``[B, n, Id]``."""
         k = self.k_norm(self.wk(latent))
-        return self._fp4(apply_rotary(k, latent_freqs, fused=self._rope_fused(k)))
-
-    def _rope_fused(self, x: torch.Tensor) -> bool:
-        # the one-launch RoPE kernel: the plan's `rope` backend is Triton, no autograd recording
-        return self.numerics.backend("rope", x.device) == "triton" and not needs_grad(x)
+        return self._fp4(apply_rotary(k, latent_freqs, backend=self.numerics.backend("rope", k.device)))
 
     def _fp4(self, x: torch.Tensor) -> torch.Tensor:
         return fake_quant_fp4(x, *INDEXER_FP4, backend=self.numerics.backend("fake_quant", x.device))
@@ -140,7 +136,7 @@ class DeepseekV41Indexer(nn.Module):
     def queries(self, x: torch.Tensor, qr: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Index queries fp4(RoPE(wq_b(qr))) ``[B, n, IH, Id]`` and head weights ``[B, n, IH]``."""
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
-        q = self._fp4(apply_rotary(q, freqs, fused=self._rope_fused(q)))
+        q = self._fp4(apply_rotary(q, freqs, backend=self.numerics.backend("rope", q.device)))
         return q, self.weights_proj(x) * self.weights_scale
 
     def publish_keys(

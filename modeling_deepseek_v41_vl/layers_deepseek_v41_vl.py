@@ -120,7 +120,7 @@ class DeepseekV41EmbeddingsMixin:
 
 
 class DeepseekV41DtypeCastMixin:
-    """`to`, `float`, `half`, `bfloat16` and `double` of the transformers classes (mixed in before
+    """`to`, `float`, `half`, `bfloat16`, `double` and `type` of the transformers classes (mixed in before
     `PreTrainedModel`): a dtype cast does what `from_pretrained(dtype=...)` does, so the next
     forward runs and computes what the model loaded that way computes.
 
@@ -155,6 +155,18 @@ class DeepseekV41DtypeCastMixin:
 
     def double(self, *args):
         return self._cast_keeping_storage(torch.float64, ".double()")
+
+    def type(self, dst_type):
+        """`nn.Module.type` would cast every parameter by value (fp8 / fp4 storage included):
+        refused; `.to(dtype)` keeps the storage.
+
+        Raises:
+            TypeError: always, naming `.to(dtype)`.
+        """
+        raise TypeError(
+            f"{type(self).__name__}.type({dst_type}) would cast the fp8 / fp4 / fp32 storage by value; "
+            "use .to(dtype), which keeps each module's storage dtype as from_pretrained(dtype=...) does"
+        )
 
     def _cast_keeping_storage(self, dtype: torch.dtype, call: str):
         followed = ()

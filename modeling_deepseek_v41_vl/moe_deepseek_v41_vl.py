@@ -186,8 +186,7 @@ class DeepseekV41Expert(nn.Module):
         the SwiGLU between the linears is one launch (`triton_ops/swiglu.expert_swiglu_triton`)."""
         gate, up = self.w1(x), self.w3(x)
         if (
-            gate.dtype == torch.bfloat16
-            and up.dtype == torch.bfloat16
+            x.dtype == gate.dtype == up.dtype == torch.bfloat16
             and self.numerics.backend("swiglu", x.device) == "triton"
             and not needs_grad(gate, up, *(() if routing_weights is None else (routing_weights,)))
         ):

@@ -126,7 +126,7 @@ class DeepseekV41RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(
-    x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False, inplace: bool = False, fused: bool = False
+    x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = False, inplace: bool = False, backend: str = "torch"
 ) -> torch.Tensor:
     """Rotate the last ``2 * freqs_cis.size(-1)`` dims of x; returns a new tensor of x's dtype, or x
     itself with `inplace`.
@@ -138,11 +138,11 @@ def apply_rotary(
         inplace: write the rotated dims into x instead of concatenating a copy (for a fresh x that
             autograd does not record: a 16K-row query is 1 GiB, and the copy cost more than the
             rotation).
-        fused: take the one-launch Triton kernel (`triton_ops/rope.py: apply_rotary_triton`)
+        backend: ``"triton"``: the one-launch kernel (`triton_ops/rope.py: apply_rotary_triton`)
             where it can run (bf16 or fp32 x, a complex64 table, CUDA tensors or the CPU under
-            Triton's interpreter), else these torch ops. Callers pass their numerics plan's
-            ``rope`` backend == "triton" and no autograd (the kernel has no backward). Its
-            output is bitwise these ops' wherever torch's complex multiply runs vectorized (the
+            Triton's interpreter, no autograd recording: the kernel has no backward), else these
+            torch ops; ``"torch"``: these ops. Callers pass their numerics plan's ``rope``
+            backend (``"torch"`` in exact numerics). The kernel's output is bitwise these ops' wherever torch's complex multiply runs vectorized (the
             model's calls, on the CPU under the interpreter); where torch contracts to an FMA
             (its scalar loop on the CPU, possibly the GPU) they differ by one rounding of a
             product (at most 1 bf16 ulp measured). Shape errors are raised before dispatching.
@@ -162,7 +162,9 @@ def apply_rotary(
         raise DeepseekV41RopeError(
             f"rotation table {tuple(freqs_cis.shape)} does not match a tensor shaped {tuple(x.shape)}"
         )
-    if fused and kernel_runs(x, freqs_cis):
+    if backend not in ("torch", "triton"):
+        raise DeepseekV41RopeError(f"backend must be 'torch' or 'triton', got {backend!r}")
+    if backend == "triton" and kernel_runs(x, freqs_cis):
         return apply_rotary_triton(x, freqs_cis, inverse=inverse, inplace=inplace)
     if inverse:
         freqs_cis = freqs_cis.conj()

@@ -684,6 +684,41 @@ def _quant_weight(kind: str, n: int, k: int, gen: torch.Generator, one_per_row: 
     return weight, scale
 
 
+def test_quant_linear_split_launches_on_two_streams_at_once():
+    """Split-K launches (the last program of a tile sums the ranges, counted per stream) issued on
+    two streams at once, each also from a CUDA graph: every output equals the same launch run
+    alone (no tile counter shared between concurrent launches)."""
+    from deepseek_v41_vl.triton_ops.quant_linear import default_config, quantized_linear_triton
+
+    _require_compiled_triton()
+    gen = torch.Generator(device=CUDA).manual_seed(11)
+    weight, scale = _quant_weight("fp8", 1280, 5120, gen, False)
+    assert default_config(1, 1280, 5120, "fp8", torch.device(CUDA)).split_k > 1
+    xs = [(torch.randn(1, 5120, generator=gen, device=CUDA) * 3).to(torch.bfloat16) for _ in range(8)]
+    alone = [quantized_linear_triton(x, weight, scale, "fp8") for x in xs]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    graphs = []
+    for stream in streams:  # one graph per stream, captured on it, replayed there
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            quantized_linear_triton(xs[0], weight, scale, "fp8")
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                outs = [quantized_linear_triton(x, weight, scale, "fp8") for x in xs]
+        graphs.append((graph, outs))
+    torch.cuda.synchronize()
+    for _ in range(20):
+        eager = []
+        for stream, (graph, _) in zip(streams, graphs):
+            with torch.cuda.stream(stream):
+                graph.replay()
+                eager.append([quantized_linear_triton(x, weight, scale, "fp8") for x in xs])
+        torch.cuda.synchronize()
+        for (_, outs), rows in zip(graphs, eager):
+            assert all(torch.equal(a, b) for a, b in zip(outs, alone))
+            assert all(torch.equal(a, b) for a, b in zip(rows, alone))
+
+
 @pytest.mark.parametrize("one_per_row", [True, False])
 @pytest.mark.parametrize("kind,rows,n,k", QUANT_LINEAR_CASES)
 def test_quant_linear_kernel_matches_fallback(kind, rows, n, k, one_per_row):

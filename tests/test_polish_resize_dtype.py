@@ -198,3 +198,12 @@ def test_a_cast_to_a_non_float_dtype_is_refused(converted_tiny_fp8):
     with pytest.raises(TypeError, match="floating point"):
         model.to(torch.int8)
     assert _changed(model, before) == []
+
+
+
+def test_module_type_cast_is_refused_with_the_fix_named(converted_tiny_fp8):
+    model = _load(converted_tiny_fp8)
+    before = _snapshot(model)
+    with pytest.raises(TypeError, match=r"\.to\(dtype\)"):
+        model.type(torch.float32)
+    assert _changed(model, before) == []

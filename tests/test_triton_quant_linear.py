@@ -188,7 +188,7 @@ def test_split_k_is_deterministic_and_matches_unsplit():
     _assert_summation_order_only(one, x, weight, scale, "fp4")
     _assert_summation_order_only(four, x, weight, scale, "fp4")
     # the last program of each tile summed the ranges and reset its counter for the next launch
-    assert not quant_linear._TILE_COUNTERS[("cpu", None)].any()
+    assert not quant_linear._TILE_COUNTERS[("cpu", None, None)].any()
 
 
 def test_split_k_tile_limit():

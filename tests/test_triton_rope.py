@@ -71,7 +71,7 @@ def test_kernel_equals_torch_bitwise(shape, rd, per_row, dtype, inverse):
     assert torch.equal(_bits(inplace), _bits(want))
     assert torch.equal(_bits(inplace[..., :-rd]), _bits(before[..., :-rd]))
     # and through the dispatch of apply_rotary
-    assert torch.equal(_bits(apply_rotary(x.clone(), freqs, inverse=inverse, fused=True)), _bits(want))
+    assert torch.equal(_bits(apply_rotary(x.clone(), freqs, inverse=inverse, backend="triton")), _bits(want))
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply")  # inf * 0, by design
@@ -144,13 +144,15 @@ def test_bad_arguments_are_refused():
         rope.resolve_backend("cuda", torch.device("cpu"))
     assert issubclass(RopeKernelError, ValueError)
     # the dispatch keeps its own shape errors, fused or not
+    with pytest.raises(DeepseekV41RopeError, match="backend"):
+        apply_rotary(x, freqs, backend="cuda")
     with pytest.raises(DeepseekV41RopeError, match="does not match"):
-        apply_rotary(x[:, :2], freqs, fused=True)
+        apply_rotary(x[:, :2], freqs, backend="triton")
     # ... and takes the torch ops where the kernel cannot run (dtype, autograd)
     assert not rope.kernel_runs(x.half(), freqs)
-    assert torch.equal(apply_rotary(x.half(), freqs, fused=True), apply_rotary(x.half(), freqs))
+    assert torch.equal(apply_rotary(x.half(), freqs, backend="triton"), apply_rotary(x.half(), freqs))
     leaf = x.float().requires_grad_()
-    apply_rotary(leaf, freqs, fused=True).sum().backward()
+    apply_rotary(leaf, freqs, backend="triton").sum().backward()
     assert leaf.grad is not None
 
 

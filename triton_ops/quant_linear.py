@@ -44,10 +44,12 @@ its fp32 partials to a workspace ``[S, M, N]`` and takes a ticket from its outpu
 the program that takes the last ticket adds the S partials in split order (0, 1, ...), stores the
 bf16 result and resets the counter. The sum is the same whichever program finishes last, so
 results are deterministic (the atomics only count). The counters (one int32 per output tile, zero
-between launches) belong to the device: launches on one device are assumed to run one after
-another (one stream at a time), as in a decode step. No host synchronisation and only
-shape-dependent allocations: CUDA-graph capturable after a warm-up call on the device has compiled
-the kernel and made the counters.
+between launches) belong to a (device, stream): launches on one stream run one after another, so
+they never share a tile's counter with a concurrent launch; a CUDA graph uses those of the stream
+it was captured on (made, if new, inside the capture: one memset node), so graphs of one capture
+stream are assumed to replay one after another, as their shared memory pool already requires. No
+host synchronisation and only shape-dependent allocations: CUDA-graph capturable after a warm-up
+call has compiled the kernel.
 """
 
 from __future__ import annotations
@@ -303,25 +305,18 @@ if triton is not None:
             tl.store(out_ptr + out_offs, _to_bf16_rne(acc), mask=out_mask)
 
 
-_TILE_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+_TILE_COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
 def _tile_counters(device: torch.device) -> torch.Tensor:
-    """The device's split-launch tile counters: int32 ``[MAX_SPLIT_TILES]``, zero between launches
-    (each launch's last program resets its tile's). Made by the first split launch on the device;
-    a CUDA-graph capture uses the ones its warm-up call made.
-
-    Raises:
-        QuantLinearError: the first split launch on the device is being captured in a CUDA graph.
-    """
-    key = (device.type, device.index)
+    """The split-launch tile counters of `device`'s current stream: int32 ``[MAX_SPLIT_TILES]``,
+    zero between launches (each launch's last program resets its tile's). Made by the stream's
+    first split launch; inside a CUDA-graph capture that is a memset node of the graph, its memory
+    the capture's (kept while these counters are), so every replay starts from zeros."""
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
+    key = (device.type, device.index, stream)
     counters = _TILE_COUNTERS.get(key)
     if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise QuantLinearError(
-                "the first split-K quantized linear on a device cannot be captured in a CUDA graph: "
-                "run it once outside the capture (a warm-up call) first"
-            )
         counters = _TILE_COUNTERS.setdefault(key, torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device))
     return counters
 
@@ -439,9 +434,8 @@ def quantized_linear_triton(
     Raises:
         QuantLinearError: wrong dtypes or shapes, K not a multiple of 32, tensors on different
             devices or not contiguous along K, a bad config (a split launch over more than
-            :data:`MAX_SPLIT_TILES` output tiles), Triton missing, CPU tensors outside Triton's
-            interpreter (``TRITON_INTERPRET=1`` before this module is imported), or the device's
-            first split launch inside a CUDA-graph capture.
+            :data:`MAX_SPLIT_TILES` output tiles), Triton missing, or CPU tensors outside Triton's
+            interpreter (``TRITON_INTERPRET=1`` before this module is imported).
     """
     n, k = _check_args(x, weight, scale, weight_dtype)
     if not triton_available():

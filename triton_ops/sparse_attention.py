@@ -407,7 +407,7 @@ def sparse_attention(
             an empty slot and weighs it by probability 0).
         idx: int32 ``[B, S, K]`` rows of `kv` each query attends to, -1 = empty slot; any K (the
             online softmax walks blocks of 64, the last one partial). Values must lie in
-            ``[-1, N)``; the torch backend checks it, the kernel does not (a check would cost a
+            ``[-1, N + N2)`` (N2: the rows of `kv_tail`, 0 without); the torch backend checks it, the kernel does not (a check would cost a
             device sync per call) and treats every negative value as empty.
         sink: fp32 ``[H]`` per-head sink logit (unscaled, denominator only).
         scale: softmax scale applied to q.k (the model uses ``head_dim ** -0.5``).
@@ -424,7 +424,7 @@ def sparse_attention(
 
     Raises:
         SparseAttentionError: wrong ranks, shapes, dtypes or devices; indices outside
-            ``[-1, N)`` (torch backend); an unknown backend, or ``"triton"`` where it cannot run.
+            ``[-1, N + N2)`` (torch backend); an unknown backend, or ``"triton"`` where it cannot run.
     """
     _check_inputs(q, kv, idx, sink, kv_tail)
     backend = resolve_backend(backend, q.device)
@@ -433,7 +433,9 @@ def sparse_attention(
     if kv_tail is not None:
         kv = torch.cat([kv, kv_tail], dim=1)
     if idx.numel() and (bool((idx < -1).any()) or bool((idx >= kv.size(1)).any())):
-        raise SparseAttentionError(f"idx values must lie in [-1, {kv.size(1)}) (rows of kv); -1 marks an empty slot")
+        raise SparseAttentionError(
+            f"idx values must lie in [-1, {kv.size(1)}) (rows of kv, then of kv_tail); -1 marks an empty slot"
+        )
     return sparse_attention_torch(q, kv, idx, sink, scale, query_chunk)
 
 
