@@ -280,7 +280,9 @@ def hc_mixes_sinkhorn_triton(
         shapes = ((hc,), (hc,), (hc, hc))
         return tuple(torch.empty(*x.shape[:2], *shape, dtype=torch.float32, device=x.device) for shape in shapes)
     dots, sq = _mixes_partials(rows, fn, n_mix)
-    return _finish_split_sinkhorn(dots, sq, width, norm_eps, scale, base, hc, iters, hc_eps, tuple(x.shape[:2]))
+    return _finish_split_sinkhorn(
+        dots, sq, width, norm_eps, scale, base, hc, iters, hc_eps, tuple(x.shape[:2]), _mixes_block_m(dots.size(-1))
+    )
 
 
 @on_input_device

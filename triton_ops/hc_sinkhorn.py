@@ -309,6 +309,7 @@ def _finish_split_sinkhorn(
     iters: int,
     eps: float,
     lead: tuple[int, ...],
+    block_m: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The second launch of `hc_mix.hc_mixes_sinkhorn_triton`: the partials of its first launch
     # (dots fp32 [split, T, (2 + hc) * hc], sq fp32 [split, T], T >= 1) finished as
@@ -323,7 +324,7 @@ def _finish_split_sinkhorn(
     _jit("_hc_mixes_sinkhorn_kernel")[(tokens,)](
         dots, sq, mixes, scale.contiguous(), base.contiguous(), pre, post, comb,
         tokens, width, n_mix, float(norm_eps), iters, float(eps),
-        SPLIT=split, BLOCK_M=max(16, triton.next_power_of_2(n_mix)), HC=hc_mult,
+        SPLIT=split, BLOCK_M=block_m, HC=hc_mult,
         BLOCK_HC=triton.next_power_of_2(hc_mult),
         num_warps=1,  # what each of the two kernels runs one row with
         enable_fp_fusion=False,  # as `_hc_sinkhorn_kernel` (the finish has no product to contract)

@@ -96,6 +96,23 @@ def _kernel_is_interpreted() -> bool:
     return triton is not None and kernel_interpreted(_swiglu_kernel)
 
 
+def _runnable(name: str, device: torch.device) -> bool:
+    """Whether the kernels run interpreted, after checking they can run on `device` at all.
+
+    Raises:
+        SwiGLUKernelError: Triton missing, or a CPU tensor outside Triton's interpreter.
+    """
+    if not triton_available():
+        raise SwiGLUKernelError(f"{name} needs the triton package, which is not installed")
+    interpreted = _kernel_is_interpreted() and triton_interpret_mode()
+    if device.type != "cuda" and not interpreted:
+        raise SwiGLUKernelError(
+            f"{name} needs CUDA tensors (got {device.type}) or Triton's interpreter "
+            "(TRITON_INTERPRET=1 before this module is imported)"
+        )
+    return interpreted
+
+
 @on_input_device
 def swiglu_triton(h: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` with ``gate, up = h.chunk(2, -1)``, in one launch (module docstring).
@@ -114,14 +131,7 @@ def swiglu_triton(h: torch.Tensor) -> torch.Tensor:
         raise SwiGLUKernelError(f"swiglu_triton takes bf16, got {h.dtype}")
     if h.dim() == 0 or h.size(-1) % 2:
         raise SwiGLUKernelError(f"the last dimension of h {tuple(h.shape)} must hold gate | up (even)")
-    if not triton_available():
-        raise SwiGLUKernelError("swiglu_triton needs the triton package, which is not installed")
-    interpreted = _kernel_is_interpreted() and triton_interpret_mode()
-    if h.device.type != "cuda" and not interpreted:
-        raise SwiGLUKernelError(
-            f"swiglu_triton needs a CUDA tensor (got {h.device.type}) or Triton's interpreter "
-            "(TRITON_INTERPRET=1 before this module is imported)"
-        )
+    interpreted = _runnable("swiglu_triton", h.device)
     inter = h.size(-1) // 2
     out = torch.empty(*h.shape[:-1], inter, dtype=torch.bfloat16, device=h.device)
     if out.numel() == 0:
@@ -167,14 +177,7 @@ def expert_swiglu_triton(
         )
     if not all(t.device == gate.device for t in (up, routing_weights) if t is not None):
         raise SwiGLUKernelError("gate, up and routing_weights must be on one device")
-    if not triton_available():
-        raise SwiGLUKernelError("expert_swiglu_triton needs the triton package, which is not installed")
-    interpreted = _kernel_is_interpreted() and triton_interpret_mode()
-    if gate.device.type != "cuda" and not interpreted:
-        raise SwiGLUKernelError(
-            f"expert_swiglu_triton needs CUDA tensors (got {gate.device.type}) or Triton's interpreter "
-            "(TRITON_INTERPRET=1 before this module is imported)"
-        )
+    interpreted = _runnable("expert_swiglu_triton", gate.device)
     n, inter = gate.shape
     out = torch.empty(n, inter, dtype=torch.bfloat16, device=gate.device)
     if out.numel() == 0:
