@@ -201,6 +201,33 @@ if triton is not None:
         Integer and bf16x2 instructions only (inline PTX, sm_80+); GPU only."""
         return tl.inline_asm_elementwise(_E4M3_PTX, "=r,r", [raw], dtype=tl.bfloat16, is_pure=True, pack=2)
 
+    # `_E4M3_PTX` followed by one multiply by the bf16 scales ($2, two per register): the e4m3
+    # value (exact in bf16) times a power of two, rounded once, as bf16(value * scale) in fp32.
+    _E4M3_SCALED_PTX = tl.constexpr(
+        """
+    {
+    .reg .b32 x01, z, m, s, bias, nz, v;
+    mov.b32 z, 0;
+    mov.b32 bias, 0x7B807B80;
+    mov.b32 nz, 0x80008000;
+    prmt.b32 x01, $1, z, 0x4140;
+    """
+        + _ptx_lanes("m", "x01", 4, "0x07F007F0", 8)
+        + """fma.rn.bf16x2 v, m, bias, nz;
+    fma.rn.bf16x2 $0, v, $2, nz;
+    }
+    """
+    )
+
+    @triton.jit
+    def e4m3_scaled_to_bf16_ptx(raw, scale):
+        """e4m3 bytes `raw` (uint8) and a bf16 power-of-two scale per byte `scale` (raw's shape) ->
+        bf16 ``value * scale``, equal to `dequantize_fp8_weight`'s values (NaN bytes unspecified).
+        Integer and bf16x2 instructions only (inline PTX, sm_80+); GPU only."""
+        return tl.inline_asm_elementwise(
+            _E4M3_SCALED_PTX, "=r,r,r", [raw, scale], dtype=tl.bfloat16, is_pure=True, pack=2
+        )
+
     @triton.jit
     def fp4_tile_to_bf16(u, sb, ROWS: tl.constexpr, GROUPS: tl.constexpr):
         """Packed E2M1 bytes `u` (int32 ``[ROWS, GROUPS, 16]``, the even element in the low nibble)

@@ -20,13 +20,14 @@ Numerics, equal to the torch fast path up to the order of the fp32 additions:
   taken as ``x * (1/s)`` (both exact for a power of two). The e4m3 rounding is one fp32 add and
   subtract of a power of two (:func:`_round_to_e4m3`), bit-exact against torch's cast on every
   device: Triton's fp8 cast is not used because the interpreter's truncates;
-- weight: the e4m3 bytes go through an exact fp8 -> bf16 conversion (on the GPU the integer /
-  bf16x2 one of `dequant.e4m3_to_bf16_ptx`, in the interpreter Triton's cast). An E2M1 code is
-  re-encoded as the e4m3 byte of ``value * 2^-6`` (sign, then the 3 magnitude bits two places up;
-  E2M1's 0.5 becomes an e4m3 subnormal), so fp4 uses the same exact conversion;
-- products of those bf16 values are exact in fp32. Per group of 32 K (one weight scale) a
-  ``tl.dot`` sums them in fp32; the group sum is multiplied by the weight scale (times 2^6 for
-  fp4), exact for a power of two, and added to an fp32 accumulator; the result is rounded to bf16
+- weight: each code becomes its dequantized bf16 value ``bf16(value * s_w)``, the value
+  `dequantize_fp8_weight` / `dequantize_fp4_weight` give (one rounding, which only a subnormal
+  product needs). On the GPU: integer / bf16x2 instructions (`dequant.e4m3_scaled_to_bf16_ptx`,
+  `dequant.fp4_pairs_to_bf16_ptx`); in the interpreter an E2M1 code is re-encoded as the e4m3 byte
+  of ``value * 2^-6`` (sign, then the 3 magnitude bits two places up), Triton's exact fp8 cast
+  decodes it, and the product with the scale (times 2^6 for fp4) is rounded on the bits;
+- products of those bf16 values are exact in fp32, each equal to the fast path's product. A
+  ``tl.dot`` per loop step sums them in fp32 into the accumulator; the result is rounded to bf16
   (half to even, on the bits: the interpreter's cast truncates). This is the fast path's sum of
   ``x_val * (w * s_w)`` in another order.
 
@@ -34,12 +35,15 @@ Non-finite activations or weights give unspecified values (torch propagates NaN 
 
 Kernel design (see :func:`default_config`): program ``(n_block, k_split, m_block)`` owns
 ``BLOCK_N`` (default 128) output features x 16 rows (``tl.dot`` needs 16; decode pads the rows)
-and one contiguous K range. Each loop step handles ``groups_per_iter`` groups of 32; per group it
-loads the activation tile ``[32, 16]`` (re-quantizing it locally: it is tiny and L2-resident; that
-work is per program, so a wide ``BLOCK_N`` amortises it over more weight bytes) and the weight
-tile ``[BLOCK_N, 32]`` (fp4: ``[BLOCK_N, 16]`` bytes, low and high nibbles dotted against the even
-and odd activations), then ``acc[BLOCK_N, 16] += dot(w, x_q^T) * s_w``. When there are too few N
-blocks to fill the GPU (small N, large K) K is split, still in one launch: every split writes
+and one contiguous K range. Each loop step handles a tile of ``groups_per_iter`` (G) groups of
+32 K: it loads the activations ``[G, 32, 16]`` and fake-quantizes them per group (re-done by every
+program: they are tiny and L2-resident, so a wide ``BLOCK_N`` amortises the work over more
+weight bytes), loads the weight bytes ``[BLOCK_N, G, 32]`` (fp4: ``[BLOCK_N, G, 16]``, low and
+high nibbles dotted against the even and odd activations) and their scales ``[BLOCK_N, G]``,
+decodes them to dequantized bf16, and adds one ``dot(w [BLOCK_N, G*32], x_q^T [G*32, 16])`` to
+the fp32 accumulator: one load of ``BLOCK_N x G x 32`` weight bytes per step keeps many bytes
+in flight per program. When there are too few N blocks to fill the GPU (small N, large K) K is
+split, still in one launch: every split writes
 its fp32 partials to a workspace ``[S, M, N]`` and takes a ticket from its output tile's counter;
 the program that takes the last ticket adds the S partials in split order (0, 1, ...), stores the
 bf16 result and resets the counter. The sum is the same whichever program finishes last, so
@@ -76,7 +80,7 @@ ENV_BACKEND = "DEEPSEEK_V41_QUANT_LINEAR_BACKEND"
 QUANT_LINEAR_MAX_ROWS = 16
 _BLOCK_M = 16  # tl.dot's smallest tile side
 # programs per SM the split-K heuristic aims for, and the fewest K groups a split may get
-_PROGRAMS_PER_SM = 2
+_PROGRAMS_PER_SM = 4
 _MIN_GROUPS_PER_SPLIT = 4
 # output tiles a split launch may have: one int32 counter each, per device
 MAX_SPLIT_TILES = 4096
@@ -103,10 +107,10 @@ class QuantLinearConfig:
     """
 
     block_n: int = 128
-    groups_per_iter: int = 2
+    groups_per_iter: int = 4
     split_k: int = 1
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 2
 
 
 def resolve_quant_linear_backend(backend: str | None, device: torch.device) -> str:
@@ -140,7 +144,7 @@ def _kernel_is_interpreted() -> bool:
 
 
 if triton is not None:
-    from .dequant import e4m3_to_bf16_ptx, e8m0_to_fp32
+    from .dequant import e4m3_scaled_to_bf16_ptx, e8m0_to_bf16, e8m0_to_fp32, fp4_pairs_to_bf16_ptx
     from .formats import E4M3_MAX_TL, E8M0_BIAS_TL
 
     @triton.jit
@@ -173,11 +177,12 @@ if triton is not None:
         return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _fake_quant_cols(x, scale, inv_scale):
-        """x fp32 [L, BM] (columns = rows of the activation) -> q * s as bf16, per column scale."""
-        v = x * inv_scale[None, :]
+    def _fake_quant_groups(x, scale, inv_scale):
+        """x fp32 [G, L, BM] (per group g, L values of each of BM rows) -> q * s as bf16, with the
+        scale of group g and row m."""
+        v = x * inv_scale[:, None, :]
         v = tl.minimum(tl.maximum(v, -E4M3_MAX_TL), E4M3_MAX_TL)
-        return (_round_to_e4m3(v) * scale[None, :]).to(tl.bfloat16)
+        return (_round_to_e4m3(v) * scale[:, None, :]).to(tl.bfloat16)
 
     @triton.jit
     def _to_bf16_rne(v):
@@ -234,55 +239,60 @@ if triton is not None:
         g_hi = tl.minimum(g_lo + groups_per_split, n_groups)
 
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        x_rows = x_ptr + offs_m[None, :] * stride_xm  # [1, BM]
-        w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BN, 1]
+        gj = tl.arange(0, GROUPS_PER_ITER)
+        x_rows = x_ptr + offs_m[None, None, :] * stride_xm  # [1, 1, BM]
+        w_rows = w_ptr + offs_n[:, None, None] * stride_wn  # [BN, 1, 1]
         for g0 in range(g_lo, g_hi, GROUPS_PER_ITER):
-            for dg in tl.static_range(GROUPS_PER_ITER):
-                gi = g0 + dg
-                kg = gi * 32
-                # the last step of a range may overrun it: masked loads give zero partial sums
-                # (a mask term per tensor, as the interpreter rejects tensor & scalar-bool masks)
-                s_mask = n_ok & ((offs_n * 0 + gi) < g_hi)
-                if IS_FP4:
-                    # the activation split into even / odd K, matching the low / high nibbles
-                    j = tl.arange(0, 16)
-                    j_ok = (j * 0 + gi) < g_hi
-                    x_mask = m_ok[None, :] & j_ok[:, None]
-                    x_even = tl.load(x_rows + (kg + 2 * j)[:, None], mask=x_mask, other=0.0).to(tl.float32)
-                    x_odd = tl.load(x_rows + (kg + 2 * j + 1)[:, None], mask=x_mask, other=0.0).to(tl.float32)
-                    amax = tl.maximum(tl.max(tl.abs(x_even), axis=0), tl.max(tl.abs(x_odd), axis=0))
-                    scale, inv_scale = _pow2_scale(amax)
-                    xq_even = _fake_quant_cols(x_even, scale, inv_scale)
-                    xq_odd = _fake_quant_cols(x_odd, scale, inv_scale)
+            # one tile of GROUPS_PER_ITER groups of 32 K: [G, 32, BM] activations, [BN, G, 32]
+            # weights; the last tile of a range may overrun it (masked: zero products)
+            gi = g0 + gj
+            g_ok = gi < g_hi
+            x_mask = g_ok[:, None, None] & m_ok[None, None, :]
+            w_mask = n_ok[:, None, None] & g_ok[None, :, None]
+            s_mask = n_ok[:, None] & g_ok[None, :]
+            if IS_FP4:
+                # the activation split into even / odd K, matching the low / high nibbles
+                j = tl.arange(0, 16)
+                x_lo = x_rows + (gi * 32)[:, None, None] + (2 * j)[None, :, None]  # [G, 16, 1]
+                x_even = tl.load(x_lo, mask=x_mask, other=0.0).to(tl.float32)
+                x_odd = tl.load(x_lo + 1, mask=x_mask, other=0.0).to(tl.float32)
+                amax = tl.maximum(tl.max(tl.abs(x_even), axis=1), tl.max(tl.abs(x_odd), axis=1))
+                scale, inv_scale = _pow2_scale(amax)  # [G, BM]
+                xq_even = tl.reshape(_fake_quant_groups(x_even, scale, inv_scale), (GROUPS_PER_ITER * 16, BLOCK_M))
+                xq_odd = tl.reshape(_fake_quant_groups(x_odd, scale, inv_scale), (GROUPS_PER_ITER * 16, BLOCK_M))
 
-                    w_mask = n_ok[:, None] & j_ok[None, :]
-                    packed = tl.load(w_rows + (gi * 16 + j)[None, :], mask=w_mask, other=0).to(tl.int32)
-                    # E2M1 code c -> e4m3 byte of c's value * 2^-6: sign to bit 7, magnitude << 2
-                    lo = ((packed << 4) & 0x80) | ((packed << 2) & 0x1C)
-                    hi = (packed & 0x80) | ((packed >> 2) & 0x1C)
-                    w_lo = lo.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-                    w_hi = hi.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-                    part = _dot(w_lo, xq_even, DOT_FP32)
-                    part += _dot(w_hi, xq_odd, DOT_FP32)
-                    s_byte = tl.load(s_ptr + offs_n * stride_sn + gi, mask=s_mask, other=E8M0_BIAS_TL)
-                    w_scale = e8m0_to_fp32(s_byte) * 64.0
+                packed = tl.load(w_rows + (gi * 16)[None, :, None] + j[None, None, :], mask=w_mask, other=0)
+                s_byte = tl.load(s_ptr + offs_n[:, None] * stride_sn + gi[None, :], mask=s_mask, other=E8M0_BIAS_TL)
+                if PTX_DECODE:
+                    w_scale = tl.broadcast_to(e8m0_to_bf16(s_byte.to(tl.int32))[:, :, None], (BLOCK_N, GROUPS_PER_ITER, 16))
+                    w_lo, w_hi = fp4_pairs_to_bf16_ptx(packed, w_scale)
                 else:
-                    kk = tl.arange(0, 32)
-                    k_ok = (kk * 0 + gi) < g_hi
-                    x_t = tl.load(x_rows + (kg + kk)[:, None], mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-                    x_t = x_t.to(tl.float32)
-                    scale, inv_scale = _pow2_scale(tl.max(tl.abs(x_t), axis=0))
-                    xq = _fake_quant_cols(x_t, scale, inv_scale)
+                    # E2M1 code c -> e4m3 byte of c's value * 2^-6: sign to bit 7, magnitude << 2
+                    u = packed.to(tl.int32)
+                    lo = (((u << 4) & 0x80) | ((u << 2) & 0x1C)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+                    hi = ((u & 0x80) | ((u >> 2) & 0x1C)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+                    w_scale = (e8m0_to_fp32(s_byte) * 64.0)[:, :, None]
+                    w_lo = _to_bf16_rne(lo.to(tl.bfloat16).to(tl.float32) * w_scale)
+                    w_hi = _to_bf16_rne(hi.to(tl.bfloat16).to(tl.float32) * w_scale)
+                acc += _dot(tl.reshape(w_lo, (BLOCK_N, GROUPS_PER_ITER * 16)), xq_even, DOT_FP32)
+                acc += _dot(tl.reshape(w_hi, (BLOCK_N, GROUPS_PER_ITER * 16)), xq_odd, DOT_FP32)
+            else:
+                kk = tl.arange(0, 32)
+                x_t = tl.load(x_rows + (gi * 32)[:, None, None] + kk[None, :, None], mask=x_mask, other=0.0)
+                x_t = x_t.to(tl.float32)
+                scale, inv_scale = _pow2_scale(tl.max(tl.abs(x_t), axis=1))  # [G, BM]
+                xq = tl.reshape(_fake_quant_groups(x_t, scale, inv_scale), (GROUPS_PER_ITER * 32, BLOCK_M))
 
-                    w8 = tl.load(w_rows + (kg + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-                    if PTX_DECODE:
-                        w = e4m3_to_bf16_ptx(w8)
-                    else:
-                        w = w8.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-                    part = _dot(w, xq, DOT_FP32)
-                    s_byte = tl.load(s_ptr + (offs_n // 32) * stride_sn + gi, mask=s_mask, other=E8M0_BIAS_TL)
-                    w_scale = e8m0_to_fp32(s_byte)
-                acc += part * w_scale[:, None]
+                w8 = tl.load(w_rows + (gi * 32)[None, :, None] + kk[None, None, :], mask=w_mask, other=0)
+                s_rows = s_ptr + (offs_n // 32)[:, None] * stride_sn
+                s_byte = tl.load(s_rows + gi[None, :], mask=s_mask, other=E8M0_BIAS_TL)
+                if PTX_DECODE:
+                    w_scale = tl.broadcast_to(e8m0_to_bf16(s_byte.to(tl.int32))[:, :, None], (BLOCK_N, GROUPS_PER_ITER, 32))
+                    w = e4m3_scaled_to_bf16_ptx(w8, w_scale)
+                else:
+                    w_val = w8.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16).to(tl.float32)
+                    w = _to_bf16_rne(w_val * e8m0_to_fp32(s_byte)[:, :, None])
+                acc += _dot(tl.reshape(w, (BLOCK_N, GROUPS_PER_ITER * 32)), xq, DOT_FP32)
 
         out_mask = n_ok[:, None] & m_ok[None, :]
         out_offs = offs_m[None, :] * stride_om + offs_n[:, None]
@@ -331,13 +341,15 @@ def default_config(
 ) -> QuantLinearConfig:
     """Launch parameters for ``[m, k] x [n, k]^T`` on `device`.
 
-    128 output features per program (unless `overrides` set ``block_n``; they may set any field
-    of :class:`QuantLinearConfig`); K is split only when the N x M blocks alone give fewer than two
-    programs per SM, into as many ranges as reach that (each of at least 4 groups of 32). At M = 1
-    on 132 SMs, N blocks x K splits: (1280, 5120) 10 x 27; (32768, 1280) 256 x 2; (512, 5120)
-    4 x 40; (5120, 8192) 40 x 7; (2304, 5120) 18 x 14. Not tuned on hardware yet:
-    `benchmarks/quant_linear.py --sweep` measures alternatives. `weight_dtype` is accepted for
-    per-format tuning.
+    128 output features per program and 4 groups of 32 K per loop step (unless `overrides` set
+    them; they may set any field of :class:`QuantLinearConfig`); K is split only when the N x M
+    blocks alone give fewer than four programs per SM, into as many ranges as reach that (each of
+    at least 4 groups of 32). At M = 1 on 132 SMs, N blocks x K ranges: (1280, 5120) 10 x 40;
+    (32768, 1280) 256 x 3; (512, 5120) 4 x 40; (5120, 8192) 40 x 13; (2304, 5120) 18 x 20;
+    (5120, 2304) 40 x 9. Chosen from `benchmarks/quant_linear.py`-style sweeps on an H200
+    (graph-replayed, weights from HBM): these were within ~5% of the best of 30 configurations
+    per shape, and 10-30% faster than two programs per SM with 2 groups per step and 4 stages.
+    `weight_dtype` is accepted for per-format tuning.
     """
     del weight_dtype
     block_n = overrides.get("block_n", QuantLinearConfig.block_n)
