@@ -9,7 +9,9 @@
   globals. Mirrors `inference/model.py: SharedAttentionRuntime` (`shared_attn`).
 - Left padding: :func:`left_padding_offsets` reads it from a transformers attention mask and
   :func:`check_same_padding` checks a later forward against the cache; every row then runs as if
-  it started at its first real token (see `attention_deepseek_v41_vl.py`).
+  it started at its first real token (see `attention_deepseek_v41_vl.py`). Right padding
+  (:func:`right_padding_lengths`, without a cache only) runs the pads as tokens after each row's
+  last one and ranks each row's index lists over its own length.
 - The window index lists of prefills, prefill chunks and one-token steps
   (:func:`window_topk_idxs`, :func:`chunk_window_idxs`, :func:`decode_window_idxs`,
   :func:`decode_window_idxs_at`). Mirrors `inference/model.py: get_window_topk_idxs`.
@@ -46,6 +48,10 @@ class DeepseekV41AttentionState:
         pad_offsets: int64 ``[B]`` pad tokens before each row's first real token (left padding;
             positions are then counted per row from its first real token), or None. `start_pos`
             stays the padded column index of the first token of this forward.
+        row_lengths: right padding (a forward from position 0 without a cache): each row's real
+            tokens, the rest of the row padding after them (see :func:`right_padding_lengths`),
+            or None. The pads run as tokens that no real token reads, and each row's index lists
+            take the widths of its own length, so a row computes what it computes alone.
     """
 
     start_pos: int = 0
@@ -57,6 +63,7 @@ class DeepseekV41AttentionState:
     candidate_blocks: torch.Tensor | None = None  # last: keeps the older fields' positions
     pad_offsets: torch.Tensor | None = None
     _pads: list[int] | None = field(default=None, init=False, repr=False)  # pad_offsets on the host
+    row_lengths: list[int] | None = None
 
     def shared_snapshot(self, layer_id: int) -> tuple:
         """What a layer reads of the state other layers write within a forward, as it is now (for
@@ -99,7 +106,13 @@ class DeepseekV41AttentionState:
         """Per batch row: real tokens up to the end of this forward of `seqlen` tokens (the row's
         sequence length so far). Without padding a single entry, ``start_pos + S``."""
         end = self.start_pos + seqlen
+        if self.row_lengths is not None:
+            return [min(end, length) for length in self.row_lengths]
         return [max(0, end - pad) for pad in self._host_pads()]
+
+    def per_row(self) -> bool:
+        """Whether the batch rows have lengths of their own (left or right padding)."""
+        return self.pad_offsets is not None or self.row_lengths is not None
 
     def min_pad(self) -> int:
         """The fewest pad tokens of any batch row (0 without padding)."""
@@ -111,7 +124,7 @@ class DeepseekV41AttentionState:
         prompt of known length the row's length at the end of the prompt."""
         ends = self.real_ends(seqlen)
         total = self.cache.prefill_length
-        if total is None or seqlen == 1 or self.start_pos + seqlen > total:
+        if total is None or seqlen == 1 or self.start_pos + seqlen > total or self.row_lengths is not None:
             return ends
         return [max(end, total - pad) for end, pad in zip(ends, self._host_pads())]
 
@@ -201,11 +214,42 @@ class DeepseekV41DecodeStep:
 
 
 def is_right_padding(attention_mask: torch.Tensor | None) -> bool:
-    """True for a [B, S] 0/1 mask with some 0 and no 1 after a 0 in any row."""
-    if attention_mask is None or attention_mask.dim() != 2 or bool(attention_mask.all()):
+    """True for a [B, S] 0/1 mask with a 0 after a 1 in some row and no 1 after a 0 in any row (a
+    mask whose only 0s fill whole rows is left padding)."""
+    if attention_mask is None or attention_mask.dim() != 2:
         return False
     mask = attention_mask.to(torch.int64)
-    return bool(((mask == 0) | (mask == 1)).all()) and bool((mask[:, 1:] <= mask[:, :-1]).all())
+    steps = mask[:, 1:] - mask[:, :-1]
+    return bool(((mask == 0) | (mask == 1)).all() & (steps <= 0).all() & (steps < 0).any())  # one sync
+
+
+def right_padding_lengths(attention_mask: torch.Tensor | None, cached: bool) -> list[int] | None:
+    """Each row's real tokens when `attention_mask` pads on the right (:func:`is_right_padding`).
+
+    Every position reads only earlier ones (window, compressor groups, indexer, Engram), so the
+    pads after a row's last token never reach it when they run as tokens; the row's index lists
+    then rank its own length (`DeepseekV41AttentionState.row_lengths`). A cache would hold the
+    pads as tokens of their rows, read by every later forward: right padding runs without one.
+
+    Args:
+        attention_mask: ``[B, S]`` (1 = token, 0 = padding), or None.
+        cached: whether the forward runs with a cache.
+
+    Returns:
+        The ``B`` row lengths (the 1s of each row), or None when the mask does not pad on the right.
+
+    Raises:
+        DeepseekV41AttentionError: right padding with a cache.
+    """
+    if not is_right_padding(attention_mask):
+        return None
+    if cached:
+        raise DeepseekV41AttentionError(
+            "only left padding is supported with a cache: attention_mask pads on the right, and the cache would "
+            "hold the pads as tokens of their rows; pad the batch on the left (padding_side=\"left\", as for "
+            "generation) or run without a cache (use_cache=False)"
+        )
+    return attention_mask.to(torch.int64).sum(dim=1).tolist()
 
 
 def left_padding_offsets(attention_mask: torch.Tensor | None, past_length: int, seqlen: int) -> torch.Tensor | None:
@@ -350,5 +394,6 @@ __all__ = [
     "decode_window_idxs_at",
     "is_right_padding",
     "left_padding_offsets",
+    "right_padding_lengths",
     "window_topk_idxs",
 ]

@@ -188,7 +188,7 @@ class DeepseekV41Indexer(nn.Module):
                 q, weights = self.queries(x[:, rows], qr[:, rows], freqs[..., rows, :])
             if not self.numerics.exact:
                 found = self._select(q, weights, index_k, state, rows, offset, positions[..., rows])
-            elif state.pad_offsets is not None:
+            elif state.per_row():
                 found = self._select_per_row(
                     q, weights, index_k, state, rows, offset, positions[..., rows],
                     state.real_ends(seqlen), state.rank_ends(seqlen),
@@ -276,10 +276,10 @@ class DeepseekV41Indexer(nn.Module):
         rank_ends: list[int],
     ):
         """:meth:`_select` one batch row at a time over exactly that row's compressed positions (exact
-        numerics with left padding): `torch.topk`'s choice among tied scores depends on the width
-        it ranks, so a row ranks what it would rank alone. `ends` are the rows' real lengths so far,
-        `rank_ends` the lengths whose widths they rank (:meth:`DeepseekV41AttentionState.rank_ends`).
-        Outputs padded to the batch's widths."""
+        numerics with left or right padding): `torch.topk`'s choice among tied scores depends on the
+        width it ranks, so a row ranks what it would rank alone. `ends` are the rows' real lengths so
+        far, `rank_ends` the lengths whose widths they rank
+        (:meth:`DeepseekV41AttentionState.rank_ends`). Outputs padded to the batch's widths."""
         n_keys = max(index_k.size(1), max(rank_ends) // self.ratio)
         k = min(self.index_topk, n_keys)
         idxs, scores, candidates = [], [], []

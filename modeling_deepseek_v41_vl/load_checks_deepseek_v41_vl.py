@@ -1,5 +1,7 @@
 """Checks `from_pretrained` runs on a loaded model before handing it out: no vision tower left at
-random values, and no weight that holds NaN / Inf.
+random values, no made-up Engram token map beside loaded Engram tables (the two missing weights a
+random value would make silently wrong; every other missing weight is initialized and reported, as
+transformers does), and no weight that holds NaN / Inf.
 
 A non-finite weight does not fail at load or at the forward: a NaN in the fp32 head or one e8m0
 scale byte 0xFF (NaN) makes every logit NaN, and greedy decoding then emits token 0 forever.
@@ -151,25 +153,73 @@ def check_finite_weights(model: nn.Module, source=None) -> None:
 
 
 _VISION_TENSOR = re.compile(r"^(model\.)?(vision|aligner)\.|^(model\.)?image_(start|end|newline)$")
+_ENGRAM_TABLE = re.compile(r"(^|\.)layers\.\d+\.engram\.embed\.(weight|scale)$")
+
+
+def _checkpoint(path) -> str:
+    return "the state dict given" if path is None else str(path)
 
 
 def refuse_a_random_vision_tower(model: nn.Module, info: dict, path) -> None:
-    """Raise when the loaded folder held none of the vision tensors the model has: transformers
-    would leave them at random values (a config without ``vision_config`` means the released tower).
+    """Raise when the loaded checkpoint lacks any vision tensor of a model with a vision tower (an
+    image-text class; a config without ``vision_config`` means the released tower). Every other
+    missing weight is initialized and reported by transformers, but random vision weights turn every
+    image into noise that the language model reads as if it described the image: the answers about
+    images would be wrong with no error anywhere.
+
+    Args:
+        model: the loaded model.
+        info: transformers' loading info (its ``missing_keys``).
+        path: the folder it was loaded from (None: a state dict), for the message.
 
     Raises:
-        DeepseekV41ModelError: vision tensors missing from the folder.
+        DeepseekV41ModelError: vision tensors missing from the checkpoint, named.
     """
     core = getattr(model, "model", model)
     if not getattr(core, "vision_enabled", False):
         return
-    missing = [name for name in info.get("missing_keys", ()) if _VISION_TENSOR.search(name)]
+    missing = sorted(name for name in info.get("missing_keys", ()) if _VISION_TENSOR.search(name))
     if missing:
         raise DeepseekV41ModelError(
-            f"{path} holds no weights for {len(missing)} vision tensors (e.g. {sorted(missing)[0]}), which would stay "
-            "random: its config describes a vision tower (a config without vision_config means the released one). "
-            "Load a text-only folder with AutoModelForCausalLM, or set vision_config.num_hidden_layers = 0"
+            f"{_checkpoint(path)} holds no weights for {len(missing)} vision tensors (e.g. {missing[0]}), which would "
+            "stay random: the image features would be noise that the language model reads as a description of the "
+            "image, and every answer about an image would be silently wrong. Its config describes a vision tower (a "
+            "config without vision_config means the released one): load a text-only folder with "
+            "AutoModelForCausalLM, or set vision_config.num_hidden_layers = 0"
         )
 
 
-__all__ = ["E8M0_FIRST_REFUSED", "NONFINITE_CODES", "DeepseekV41NonFiniteWeightError", "check_finite_weights", "nonfinite_mask", "refuse_a_random_vision_tower"]
+def refuse_a_made_up_token_map(model: nn.Module, info: dict, path) -> None:
+    """Raise when the checkpoint lacks the Engram token map (raw token id -> compressed id) but holds
+    Engram tables. The converter builds the map from the tokenizer (`build_compressed_token_map`),
+    and the tables' rows are addressed through it: any other map hashes each n-gram to rows trained
+    for other n-grams, and the model runs on with wrong Engram memory and no error. When every
+    Engram table is missing too (all random), no map is more right than another and the caller
+    installs a stand-in.
+
+    Args:
+        model: the loaded model.
+        info: transformers' loading info (its ``missing_keys``).
+        path: the folder it was loaded from (None: a state dict), for the message.
+
+    Raises:
+        DeepseekV41ModelError: the token map is missing while Engram tables were loaded, named.
+    """
+    missing = set(info.get("missing_keys", ()))
+    token_map = [name for name, _ in model.named_buffers() if name.endswith("engram_hash.token_map")]
+    if not token_map or token_map[0] not in missing:
+        return
+    loaded = sorted(
+        name for name, _ in model.named_parameters() if _ENGRAM_TABLE.search(name) and name not in missing
+    )
+    if loaded:
+        raise DeepseekV41ModelError(
+            f"{_checkpoint(path)} holds Engram tables ({len(loaded)} tensors, e.g. {loaded[0]}) but no {token_map[0]} "
+            "(raw token id -> compressed Engram id). The map is built from the tokenizer and the tables' rows are "
+            "addressed through it: a made-up map would hash every n-gram to rows trained for other n-grams, and the "
+            "model would run with wrong Engram memory without any error. Convert the checkpoint again: the converter "
+            "writes the map, built from the tokenizer (build_compressed_token_map)"
+        )
+
+
+__all__ = ["E8M0_FIRST_REFUSED", "NONFINITE_CODES", "DeepseekV41NonFiniteWeightError", "check_finite_weights", "nonfinite_mask", "refuse_a_made_up_token_map", "refuse_a_random_vision_tower"]

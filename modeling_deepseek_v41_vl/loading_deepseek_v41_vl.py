@@ -39,7 +39,7 @@ import json
 import logging
 import os
 import warnings
-from typing import Iterable, Iterator, Mapping
+from typing import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -47,7 +47,7 @@ from transformers import PreTrainedModel
 
 from .engram_deepseek_v41_vl import DeepseekV41EngramEmbedding, DeepseekV41EngramError
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
-from .load_checks_deepseek_v41_vl import check_finite_weights, refuse_a_random_vision_tower
+from .load_checks_deepseek_v41_vl import check_finite_weights, refuse_a_made_up_token_map, refuse_a_random_vision_tower
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
 from .rope_deepseek_v41_vl import DeepseekV41RotaryEmbedding, rope_inv_frequencies
 from .state_dict_adapter_deepseek_v41_vl import convert_state_dict
@@ -448,9 +448,10 @@ _FP4_EXPERT_WEIGHT = r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$"
 @contextlib.contextmanager
 def _checkpoint_tensor_views(model: nn.Module) -> Iterator[None]:
     """While transformers' loader sets parameters on `model`: an I8 tensor arriving for a packed-fp4
-    weight is re-VIEWED as float4_e2m1fn_x2 (the bytes are the packed E2M1 pairs; a value cast is
-    wrong and not even implemented), and every parameter keeps the `requires_grad` of the module's
-    own (quantized storage is not trainable; the loader would mark every float tensor trainable)."""
+    weight is re-VIEWED as float4_e2m1fn_x2 (the bytes are the packed E2M1 pairs; a value cast is wrong
+    and not even implemented; the loader's `_is_hf_initialized` mark is kept), and every parameter keeps
+    the `requires_grad` of the module's own (quantized storage is not trainable; the loader would mark
+    every float tensor trainable)."""
     fp4_modules = {id(m) for m in model.modules() if isinstance(m, DeepseekV41Linear) and m.weight_dtype == "fp4"}
     ours = {id(m) for m in model.modules()}
 
@@ -458,7 +459,9 @@ def _checkpoint_tensor_views(model: nn.Module) -> Iterator[None]:
         if id(module) not in ours or param is None:
             return None
         if id(module) in fp4_modules and name == "weight" and param.dtype in (torch.int8, torch.uint8):
-            return nn.Parameter(param.detach().view(torch.float4_e2m1fn_x2), requires_grad=False)
+            viewed = nn.Parameter(param.detach().view(torch.float4_e2m1fn_x2), requires_grad=False)
+            viewed._is_hf_initialized = getattr(param, "_is_hf_initialized", False)  # loaded: never drawn again
+            return viewed
         previous = module._parameters.get(name)
         if previous is not None and previous.requires_grad != param.requires_grad:
             param.requires_grad_(previous.requires_grad and param.is_floating_point())
@@ -545,16 +548,15 @@ def _official_layout_index(path) -> dict[str, str] | None:
     return data["weight_map"]
 
 
-def _fill_quantized_storage(modules: Iterable[nn.Module], std: float) -> None:
-    for module in modules:
-        weight, scale = getattr(module, "weight", None), getattr(module, "scale", None)
-        if weight is None or scale is None or weight.dtype not in (torch.float8_e4m3fn, torch.float4_e2m1fn_x2):
-            continue
-        if weight.dtype == torch.float8_e4m3fn:
-            weight.copy_(torch.randn(weight.shape, device=weight.device).to(weight.dtype))
-        else:  # every e2m1 code is finite
-            weight.view(torch.uint8).copy_(torch.randint(0, 256, weight.shape, dtype=torch.uint8, device=weight.device))
-        scale.copy_(torch.full(scale.shape, std, device=scale.device).to(scale.dtype))
+def _install_stand_in_token_map(model: nn.Module) -> None:
+    """The Engram token map of a model whose Engram tables are random (`Model(config)`, or a
+    checkpoint without tables or map): the identity modulo the compressed vocabulary. Not for
+    loaded tables (`load_checks_deepseek_v41_vl.refuse_a_made_up_token_map` refuses that)."""
+    hasher = model.model.engram_hash
+    if hasher is None or hasher.token_map.is_meta:
+        return
+    ids = torch.arange(hasher.token_map.numel(), device=hasher.token_map.device)
+    hasher.set_token_map(ids % hasher.layout.compressed_vocab_size)
 
 
 class DeepseekV41LoadingMixin:
@@ -593,6 +595,10 @@ class DeepseekV41LoadingMixin:
         checked for NaN / Inf (`load_checks_deepseek_v41_vl.check_finite_weights`: float values, e8m0
         scales, e4m3 codes); ``check_finite=False`` skips it.
 
+        Missing weights follow transformers: initialized by `_init_weights` (valid fp8 / fp4 codes, e8m0
+        scales) and reported (``missing_keys``), but refused where a random value would be silently wrong:
+        vision tensors of a vision model; the Engram token map beside loaded tables (else a stand-in).
+
         Engram tables in host memory: a `device_map` entry ``model.layers.{i}.engram.embed: "cpu"``
         under a layer on a GPU keeps that table resident on the CPU (only hash ids and looked-up
         rows cross; see the module doc). ``engram_device="cpu"`` adds those
@@ -602,8 +608,9 @@ class DeepseekV41LoadingMixin:
 
         Raises:
             DeepseekV41ModelError: a ``--link`` folder with a `device_map` other than None / "cpu";
-                a folder without vision weights loaded into a model with a vision tower (a config
-                without ``vision_config`` describes the released tower): never random weights.
+                a checkpoint lacking vision weights loaded into a model with a vision tower (a config
+                without ``vision_config`` describes the released tower); a checkpoint with Engram
+                tables but no Engram token map.
             DeepseekV41NonFiniteWeightError: a weight holding NaN / Inf, named (a DeepseekV41ModelError).
             DeepseekV41EngramPlacementError: `engram_device` other than "cpu" or without a `device_map`;
                 a table mapped to "cpu" inside an offloaded ("disk", or "cpu" beside GPUs) layer.
@@ -637,6 +644,9 @@ class DeepseekV41LoadingMixin:
             model._load_official_layout(path, official)
         else:
             refuse_a_random_vision_tower(model, info, path)
+            refuse_a_made_up_token_map(model, info, path)
+            if any(name.endswith("engram_hash.token_map") for name in info.get("missing_keys", ())):
+                _install_stand_in_token_map(model)  # every Engram table is random too
         if check_finite:
             check_finite_weights(model, path)
         model._suppress_image_token()
@@ -668,21 +678,16 @@ class DeepseekV41LoadingMixin:
         return self
 
     def init_weights(self) -> None:
-        """`PreTrainedModel.init_weights` (`Model(config)`; `from_pretrained` disables it), then
-        what `_init_weights` leaves to a checkpoint: random fp8 / fp4 codes, e8m0 scales near
-        `initializer_range`, the identity modulo the compressed vocabulary as Engram token map.
-        Only modules not initialised yet are filled (transformers' `_is_hf_initialized`), so a later
-        `post_init` (after `resize_token_embeddings`, say) keeps every loaded or drawn value."""
-        fresh = [module for module in self.modules() if not getattr(module, "_is_hf_initialized", False)]
+        """`PreTrainedModel.init_weights` (`Model(config)`; `from_pretrained` runs the same `_init_weights`
+        on missing weights only), then a stand-in Engram token map where none is set. Only modules not
+        initialized yet are filled (`_is_hf_initialized`), so a later `post_init` (after
+        `resize_token_embeddings`, say) keeps every loaded or drawn value."""
         super().init_weights()
-        if any(p.is_meta for p in self.parameters()):
+        hasher = self.model.engram_hash
+        if hasher is None or hasher.token_map.is_meta or any(p.is_meta for p in self.parameters()):
             return
-        with torch.no_grad():
-            _fill_quantized_storage(fresh, self.config.text_config.initializer_range)
-            hasher = self.model.engram_hash
-            if hasher is not None and int(hasher.token_map.min()) < 0:
-                ids = torch.arange(hasher.token_map.numel(), device=hasher.token_map.device)
-                hasher.set_token_map(ids % hasher.layout.compressed_vocab_size)
+        if int(hasher.token_map.min()) < 0:
+            _install_stand_in_token_map(self)
 
     @classmethod
     def _empty_for_device_map(cls, path, kwargs: dict) -> nn.Module:

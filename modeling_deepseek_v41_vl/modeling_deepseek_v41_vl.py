@@ -50,12 +50,13 @@ from .attention_state_deepseek_v41_vl import (
     check_same_padding,
     is_right_padding,
     left_padding_offsets,
+    right_padding_lengths,
 )
 from .cache_deepseek_v41_vl import DeepseekV41AttentionCache, DeepseekV41Cache
 from .configuration_deepseek_v41_vl import DeepseekV41Config
 from .decode_step_deepseek_v41_vl import DeepseekV41DecodeRunner, check_step_inputs
 from .decoder_layer_deepseek_v41_vl import DeepseekV41DecoderLayer
-from .engram_deepseek_v41_vl import DeepseekV41Engram, DeepseekV41EngramHash
+from .engram_deepseek_v41_vl import DeepseekV41Engram, DeepseekV41EngramEmbedding, DeepseekV41EngramHash
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from .conversation_deepseek_v41_vl import continuation_images, count_images
 from .generation_deepseek_v41_vl import DeepseekV41GenerationMixin
@@ -68,7 +69,7 @@ from .loading_deepseek_v41_vl import DeepseekV41LoadingMixin
 from .moe_deepseek_v41_vl import DeepseekV41Gate
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, apply_numerics
 from .outputs_deepseek_v41_vl import DeepseekV41TransformerOutput, image_encoder_output, refuse_output_attentions
-from .quantization_deepseek_v41_vl import DeepseekV41Linear
+from .quantization_deepseek_v41_vl import DeepseekV41Linear, init_quantized_storage
 from .vision_deepseek_v41_vl import DeepseekV41VisionAligner, DeepseekV41VisionTransformer
 
 
@@ -259,7 +260,8 @@ class DeepseekV41Transformer(nn.Module):
             attention_mask: ``[B, past + S]``, 0 on left padding (every position so far, as
                 `generate` passes it). Each row then runs as if it started at its first real token
                 (positions, window, compressor groups, Engram look-back); None: the padding the
-                cache recorded, or none.
+                cache recorded, or none. Without a cache it may pad on the right instead: each row
+                computes what it computes alone (`right_padding_lengths`).
             image_span_embeds: ``[n, D]`` rows for the n image-span positions of this forward
                 (``mm_token_type_ids == 1``, in (batch row, position) order), a slice of
                 :meth:`get_image_span_embeddings`; instead of `pixel_values`, at any position.
@@ -275,8 +277,9 @@ class DeepseekV41Transformer(nn.Module):
                 ids than `image_token_id`, `image_span_embeds` rows that do not match the marked
                 positions.
             DeepseekV41AttentionError: a forward after position 0 on a cache without a prefill,
-                an attention mask that is not a left padding of every position so far, or one
-                whose padding of the positions already cached differs from the cache's.
+                an attention mask that is not a left padding of every position so far (nor a
+                right padding without a cache), or one whose padding of the positions already
+                cached differs from the cache's.
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
@@ -305,16 +308,16 @@ class DeepseekV41Transformer(nn.Module):
             input_ids, mm_token_type_ids, pixel_values, image_grid_thw, image_span_embeds, output_hidden_states
         )
         engram_mask = None if image_mask is None else ~image_mask
+        row_lengths = right_padding_lengths(attention_mask, cache is not None)  # refused with a cache
+        if row_lengths is not None:  # the pads run as tokens after each row's last one
+            attention_mask = None
         if cache is not None and (attention_mask is not None or start_pos == 0):
             pads = left_padding_offsets(attention_mask, start_pos, input_ids.size(1))
             if start_pos > 0:
                 check_same_padding(cache.attention.pad_offsets, pads, start_pos, input_ids.size(0))
             cache.attention.pad_offsets = pads
-        pad_offsets = (
-            cache.attention.pad_offsets
-            if cache is not None
+        pad_offsets = cache.attention.pad_offsets if cache is not None \
             else left_padding_offsets(attention_mask, start_pos, input_ids.size(1))
-        )
 
         if cache is not None:
             cache.make_room(input_ids.size(1))
@@ -337,7 +340,8 @@ class DeepseekV41Transformer(nn.Module):
         x = h.unsqueeze(2).repeat(1, 1, self.hc_mult, 1)
         pre_mix = identity_pre_mix(x, self.hc_mult)
         attention_cache = cache.attention if cache is not None else DeepseekV41AttentionCache()
-        state = DeepseekV41AttentionState(start_pos=start_pos, cache=attention_cache, pad_offsets=pad_offsets)
+        state = DeepseekV41AttentionState(start_pos=start_pos, cache=attention_cache, pad_offsets=pad_offsets,
+                                          row_lengths=row_lengths)
         collected = [h] if output_hidden_states else None
         for index, layer in enumerate(self.layers):
             x, pre_mix = layer(x, pre_mix, state, image_mask, hash_ids, engram_mask)
@@ -440,8 +444,8 @@ class DeepseekV41PreTrainedModel(DeepseekV41DtypeCastMixin, DeepseekV41LoadingMi
     base_model_prefix = "model"
     main_input_name = "input_ids"
     input_modalities = ("image", "text")
-    # ViT blocks (GradientCheckpointingLayer) and decoder layers (a replay that first restores
-    # the per-forward attention state the layer read)
+    # ViT blocks and decoder layers are GradientCheckpointingLayers (a decoder layer's replay first
+    # restores the per-forward attention state it read)
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeepseekV41DecoderLayer", "DeepseekV41VisionBlock"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
@@ -466,17 +470,15 @@ class DeepseekV41PreTrainedModel(DeepseekV41DtypeCastMixin, DeepseekV41LoadingMi
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """Fresh values for parameters a checkpoint did not provide (and for `Model(config)`).
-
-        Quantized storage (fp8 / fp4 weights, e8m0 scales, the fp8 Engram tables) is not touched
-        here: a checkpoint provides it (`Model(config)` gets random codes from `init_weights`). A
-        token map missing from a checkpoint is set to -1, which the model refuses with a clear
-        error instead of hashing with garbage.
-        """
+        """Fresh values for parameters a checkpoint did not provide (and for `Model(config)`); fp8 / fp4
+        weights and Engram tables get valid codes and e8m0 scales (`init_quantized_storage`). A token
+        map is set to -1, which the model refuses; `from_pretrained` and `init_weights` settle it
+        (`loading_deepseek_v41_vl.py`: a made-up map beside loaded Engram tables is refused)."""
         std = self.config.text_config.initializer_range
-        if isinstance(module, DeepseekV41Linear):
-            if not module.is_quantized:
-                init.normal_(module.weight, mean=0.0, std=std)
+        if isinstance(module, (DeepseekV41Linear, DeepseekV41EngramEmbedding)) and module.scale is not None:
+            init_quantized_storage(module.weight, module.scale, std)
+        elif isinstance(module, DeepseekV41Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, nn.Linear):
             init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
@@ -578,14 +580,10 @@ class DeepseekV41PreTrainedModel(DeepseekV41DtypeCastMixin, DeepseekV41LoadingMi
                 f"the cache must be a DeepseekV41Cache, got {type(cache).__name__} (the model keeps a window ring, "
                 "compressor state and Engram history that a key/value cache cannot hold)"
             )
-        use_cache = self.config.text_config.use_cache if use_cache is None else use_cache
+        if use_cache is None:  # right padding runs without a cache unless asked (it would hold the pads)
+            use_cache = self.config.text_config.use_cache and not is_right_padding(attention_mask)
         if cache is None and use_cache:
             cache = DeepseekV41Cache(self.config)
-        if cache is None and is_right_padding(attention_mask):
-            # every position reads only earlier ones (window, compressor groups, indexer, Engram),
-            # so padding after a row's last token never reaches it: a right-padded training batch
-            # runs as if unpadded (a cache would record the pads)
-            attention_mask = None
         engine_step = self.model.decode_runner.trusted and input_ids.size(1) == 1 and pixel_values is None
         if cache is not None and cache.get_seq_length() > 0 and not engine_step:  # a conversation's next turn
             mm_token_type_ids, pixel_values, image_grid_thw = continuation_images(
@@ -688,8 +686,8 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41EmbeddingsMixin, DeepseekV4
         Args:
             input_ids: int64 ``[B, S]``; every image-span position carries `image_token_id`.
             attention_mask: int ``[B, S]``; 0 marks padding. Left padding (generation) runs the
-                pads as tokens, see the class doc; right padding (training batches) is accepted
-                without a cache and changes nothing for the real tokens.
+                pads as tokens, see the class doc; right padding gives each row its logits alone,
+                without a cache (none is made unless `use_cache` is True, which it refuses).
             mm_token_type_ids: int ``[B, S]``, 1 on image-span positions (processor output).
             pixel_values: float ``[total_patches, 588]``, the new spans' images (on a filled cache
                 also the whole conversation's: `continuation_images`). image_grid_thw: int
@@ -716,7 +714,7 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41EmbeddingsMixin, DeepseekV4
         Raises:
             DeepseekV41ModelError: `output_attentions`, inputs_embeds, a cache of another type,
                 image spans that do not fit the images (see `continuation_images` for a filled cache).
-            DeepseekV41AttentionError: more than one token per decode step.
+            DeepseekV41AttentionError: more than one token per decode step; right padding with a cache.
         """
         refuse_output_attentions(self.config, output_attentions)
         if labels is not None:

@@ -29,6 +29,8 @@ Storage conventions:
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -402,6 +404,56 @@ def fp4_block_gemm(
     return out.to(torch.bfloat16).view(*a.shape[:-1], n)
 
 
+# e8m0 exponents a fresh scale may take: 2^-127 (byte 0) up to 2^119 (byte 246; from byte 247 on
+# the load check refuses a scale, `load_checks_deepseek_v41_vl.E8M0_FIRST_REFUSED`)
+_E8M0_BIAS, _E8M0_LOWEST, _E8M0_HIGHEST = 127, -127, 119
+
+
+def e8m0_scale_byte(std: float) -> int:
+    """The e8m0 byte of the power of two nearest `std` (in log2; 2^-127 for ``std <= 0``), clamped
+    to the scales the load check accepts."""
+    exponent = round(math.log2(std)) if std > 0 else _E8M0_LOWEST
+    return min(max(exponent, _E8M0_LOWEST), _E8M0_HIGHEST) + _E8M0_BIAS
+
+
+def _is_fresh(tensor: torch.Tensor) -> bool:
+    # transformers marks what a checkpoint filled (`_is_hf_initialized`); `transformers.initialization`
+    # writes only unmarked tensors, and so does this module
+    return not getattr(tensor, "_is_hf_initialized", False)
+
+
+@torch.no_grad()
+def init_quantized_storage(weight: torch.Tensor, scale: torch.Tensor, std: float) -> None:
+    """Fresh, valid values for block-quantized storage (a :class:`DeepseekV41Linear` in fp8 / fp4,
+    an Engram table): the weight dequantizes to about ``N(0, std)``, as a bf16 linear is drawn.
+
+    - weight float8_e4m3fn: ``N(0, 1)`` samples cast to e4m3 (never a NaN code: |x| << 448);
+    - weight float4_e2m1fn_x2 ``[out, in/2]``: ``N(0, 1)`` samples clamped to +-6, rounded to the
+      nearest E2M1 value and packed (every E2M1 code is finite);
+    - scale float8_e8m0fnu (any shape): every byte :func:`e8m0_scale_byte` of `std`.
+
+    Each tensor is written only when it carries no ``_is_hf_initialized`` flag (what
+    `transformers.initialization` does), so a weight or scale a checkpoint provided keeps its bytes.
+    The weight is drawn from the global generator of its device (one ``randn`` of its logical shape).
+
+    Raises:
+        DeepseekV41QuantizationError: `weight` is not fp8 / packed fp4, or `scale` is not e8m0.
+    """
+    if weight.dtype not in (torch.float8_e4m3fn, torch.float4_e2m1fn_x2) or scale.dtype != torch.float8_e8m0fnu:
+        raise DeepseekV41QuantizationError(
+            f"init_quantized_storage takes an fp8 / packed fp4 weight and an e8m0 scale, got {weight.dtype} and {scale.dtype}"
+        )
+    if _is_fresh(weight):
+        if weight.dtype == torch.float8_e4m3fn:
+            codes = cast_to_e4m3(torch.randn(weight.shape, device=weight.device))
+        else:
+            values = torch.randn(*weight.shape[:-1], 2 * weight.shape[-1], device=weight.device)
+            codes = pack_fp4(e2m1_codes(values.clamp(-FP4_E2M1_MAX, FP4_E2M1_MAX)))
+        weight.view(torch.uint8).copy_(codes.view(torch.uint8))  # bytes: no 1-byte float kernel needed
+    if _is_fresh(scale):
+        scale.view(torch.uint8).fill_(e8m0_scale_byte(std))
+
+
 class DeepseekV41Linear(nn.Linear):
     """Bias-free linear whose GEMM follows the weight's storage dtype. Mirrors `inference/model.py:
     Linear` and `linear()`.
@@ -481,7 +533,8 @@ class DeepseekV41Linear(nn.Linear):
         return torch.bfloat16 if self.is_quantized else self.weight.dtype
 
     def reset_parameters(self) -> None:
-        """No-op: the storage comes from a checkpoint (nn.Linear's init cannot fill fp8 / fp4)."""
+        """No-op: the weights come from a checkpoint or the model's `_init_weights` (nn.Linear's init
+        cannot fill fp8 / fp4; :func:`init_quantized_storage` does)."""
 
     def dequantized_weight(self, dtype: torch.dtype = torch.bfloat16, backend: str | None = None) -> torch.Tensor:
         """The logical ``[out, in]`` weight in `dtype` (exact in bf16 for fp8/fp4 storage).
@@ -574,10 +627,12 @@ __all__ = [
     "dequantize_fp8_weight",
     "e2m1_codes",
     "e2m1_round",
+    "e8m0_scale_byte",
     "fake_quant_fp4",
     "fake_quant_fp8",
     "fp4_block_gemm",
     "fp8_block_gemm",
+    "init_quantized_storage",
     "pack_fp4",
     "quant_fp4",
     "round_scale_pow2",
