@@ -8,8 +8,14 @@ every layer, see `decode_step_deepseek_v41_vl.py`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
 import torch
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils import logging
 
 from .attention_deepseek_v41_vl import DeepseekV41Attention
 from .attention_state_deepseek_v41_vl import DeepseekV41AttentionState, DeepseekV41DecodeStep
@@ -21,8 +27,19 @@ from .layers_deepseek_v41_vl import DeepseekV41RMSNorm, on_device
 from .moe_deepseek_v41_vl import DeepseekV41MoE
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, plan_for
 
+logger = logging.get_logger(__name__)
 
-class DeepseekV41DecoderLayer(nn.Module):
+
+@dataclass
+class _ReplayPoint:
+    """What a checkpointed layer read of the attention state (a
+    :meth:`DeepseekV41AttentionState.shared_snapshot`), and whether its first pass has run."""
+
+    snapshot: tuple
+    ran: bool = False
+
+
+class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
     """One backbone block: Engram (where configured), then attention and MoE between mHC mixes.
 
     Mirrors `inference/model.py: Block` (and the Engram call `Transformer.forward` makes before
@@ -55,6 +72,62 @@ class DeepseekV41DecoderLayer(nn.Module):
             self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.empty(mix, dtype=torch.float32)))
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.empty(3, dtype=torch.float32)))
 
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        pre_mix_in: torch.Tensor,
+        attention_state: DeepseekV41AttentionState,
+        *rest,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs the module (hooks, then :meth:`forward`); under gradient checkpointing, first notes
+        what the layer reads of the per-forward state, for the backward's replay.
+
+        transformers' :class:`GradientCheckpointingLayer` checkpoints :meth:`forward`, so the
+        replay starts inside it, after later layers advanced `attention_state` (the last
+        index-key publisher, the candidate source's choice, the index sources' top-k) and after
+        this layer filled its own cache entry. The snapshot is taken here, outside the
+        checkpoint, and handed to :meth:`forward` as `replay_point`.
+
+        A forward after position 0 (a continued cache) runs without checkpointing: its cache
+        writes (the window ring, compressor groups, index keys) land in entries that already
+        exist and cannot be put back, so a replay would read this forward's own rows.
+        """
+        if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
+            return super().__call__(hidden_states, pre_mix_in, attention_state, *rest, **kwargs)
+        if attention_state.start_pos != 0:
+            self.gradient_checkpointing = False  # read by transformers' wrapper of `forward`
+            try:
+                return super().__call__(hidden_states, pre_mix_in, attention_state, *rest, **kwargs)
+            finally:
+                self.gradient_checkpointing = True
+        kwargs["replay_point"] = _ReplayPoint(attention_state.shared_snapshot(self.layer_idx))
+        return super().__call__(hidden_states, pre_mix_in, attention_state, *rest, **kwargs)
+
+    @property
+    def _gradient_checkpointing_func(self) -> Callable:
+        """The checkpoint function `gradient_checkpointing_enable` / `activation_checkpointing_enable`
+        set, always with ``use_reentrant=False``.
+
+        Layers hand tensors to later layers through the attention state (compressed KV, index
+        keys, top-k), outside the checkpoint's inputs and outputs. A reentrant checkpoint runs
+        the first pass without autograd, so the gradient that flows back through those tensors
+        would be lost; the non-reentrant one records them, and its recompute is :meth:`forward`'s
+        replay. A `use_reentrant=True` (or unset) request is therefore run non-reentrant, with a
+        warning.
+        """
+        return self._checkpoint_func
+
+    @_gradient_checkpointing_func.setter
+    def _gradient_checkpointing_func(self, func: Callable) -> None:
+        if isinstance(func, partial) and func.keywords.get("use_reentrant") is not False:
+            logger.warning_once(
+                "DeepseekV41DecoderLayer: gradient checkpointing runs non-reentrant (use_reentrant=False); a reentrant "
+                "checkpoint would lose the gradients that reach a layer through the tensors later layers read"
+            )
+            func = partial(func, use_reentrant=False)
+        self._checkpoint_func = func
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -63,8 +136,17 @@ class DeepseekV41DecoderLayer(nn.Module):
         image_mask: torch.Tensor | None = None,
         engram_hash_ids: torch.Tensor | None = None,
         engram_mask: torch.Tensor | None = None,
+        *,
+        replay_point: _ReplayPoint | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Engram (if this is an Engram layer) on all copies, then :meth:`block`.
+
+        The unit transformers' gradient checkpointing recomputes (`gradient_checkpointing_enable`
+        or `activation_checkpointing_enable`). The recompute (the second run with the same
+        `replay_point`) first puts back the state the first pass read, so it computes the same
+        values, and afterwards the state as the whole forward left it (the layer's cache entry
+        too: the recompute writes a throwaway one), so a cache filled by a checkpointed training
+        forward continues as one filled without checkpointing.
 
         Args:
             hidden_states: bf16 ``[B, S, hc, D]``.
@@ -73,6 +155,7 @@ class DeepseekV41DecoderLayer(nn.Module):
             image_mask: bool ``[B, S]``, True on image-span rows (selects `bias_vl`); None: text.
             engram_hash_ids: int64 ``[B, S, n_engram_layers, cols]`` (all Engram layers).
             engram_mask: bool ``[B, S]``, False on image-span rows; None: all True.
+            replay_point: set by :meth:`__call__` under gradient checkpointing.
 
         Returns:
             ``(x2, f_pre)``: bf16 ``[B, S, hc, D]`` and fp32 ``[B, S, hc]``.
@@ -80,34 +163,24 @@ class DeepseekV41DecoderLayer(nn.Module):
         Raises:
             DeepseekV41ModelError: an Engram layer called without hash ids.
         """
-        if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and attention_state.start_pos == 0:
-            return self._checkpointed(hidden_states, pre_mix_in, attention_state, image_mask, engram_hash_ids, engram_mask)
+        if replay_point is None or not replay_point.ran:
+            if replay_point is not None:
+                replay_point.ran = True
+            return self._run(hidden_states, pre_mix_in, attention_state, image_mask, engram_hash_ids, engram_mask)
+        after = attention_state.shared_snapshot(self.layer_idx)
+        attention_state.restore_shared(replay_point.snapshot, self.layer_idx)
+        try:
+            return self._run(hidden_states, pre_mix_in, attention_state, image_mask, engram_hash_ids, engram_mask)
+        finally:
+            attention_state.restore_shared(after, self.layer_idx)
+
+    def _run(self, hidden_states, pre_mix_in, attention_state, image_mask, engram_hash_ids, engram_mask):
         with on_device(hidden_states.device):
-            return self._forward(hidden_states, pre_mix_in, attention_state, image_mask, engram_hash_ids, engram_mask)
-
-    # set by `gradient_checkpointing_enable`, with `_gradient_checkpointing_func`
-    gradient_checkpointing = False
-
-    def _checkpointed(self, hidden_states, pre_mix_in, attention_state, *rest):
-        # The backward replays this layer after later layers advanced the per-forward state it
-        # read (the last index-key publisher, the candidate source's choice, the index sources'
-        # top-k) and after its own cache entry was filled: the replay first puts back what the
-        # layer saw, so it recomputes the same values.
-        seen = attention_state.shared_snapshot(self.layer_idx)
-
-        def replay(h, p):
-            attention_state.restore_shared(seen, self.layer_idx)
-            with on_device(h.device):
-                return self._forward(h, p, attention_state, *rest)
-
-        return self._gradient_checkpointing_func(replay, hidden_states, pre_mix_in)
-
-    def _forward(self, hidden_states, pre_mix_in, attention_state, image_mask, engram_hash_ids, engram_mask):
-        if self.engram is not None:
-            if engram_hash_ids is None:
-                raise DeepseekV41ModelError(f"layer {self.layer_idx} runs Engram and needs engram_hash_ids")
-            hidden_states = self.engram(hidden_states, engram_hash_ids[:, :, self.engram.hash_index], engram_mask)
-        return self.block(hidden_states, pre_mix_in, attention_state, image_mask)
+            if self.engram is not None:
+                if engram_hash_ids is None:
+                    raise DeepseekV41ModelError(f"layer {self.layer_idx} runs Engram and needs engram_hash_ids")
+                hidden_states = self.engram(hidden_states, engram_hash_ids[:, :, self.engram.hash_index], engram_mask)
+            return self.block(hidden_states, pre_mix_in, attention_state, image_mask)
 
     def block(
         self,
@@ -124,14 +197,15 @@ class DeepseekV41DecoderLayer(nn.Module):
         """
         hc = self.hc
         attn_pre, attn_post, attn_comb = hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        f = self.attn(self.attn_norm(hc.pre(x, pre_mix_in)), attention_state)
+        f = self.attn(hc.pre_norm(x, pre_mix_in, self.attn_norm), attention_state)
         return self._ffn_half(f, x, attn_pre, attn_post, attn_comb, image_mask)
 
     def _ffn_half(self, f, x, attn_pre, attn_post, attn_comb, image_mask=None):
         hc = self.hc
-        x1 = hc.post(f, x, attn_post, attn_comb)
-        ffn_pre, ffn_post, ffn_comb = hc.mixes(x1, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base)
-        f = self.ffn(self.ffn_norm(hc.pre(x1, attn_pre)), image_mask)
+        x1, (ffn_pre, ffn_post, ffn_comb) = hc.post_mixes(
+            f, x, attn_post, attn_comb, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base
+        )
+        f = self.ffn(hc.pre_norm(x1, attn_pre, self.ffn_norm), image_mask)
         return hc.post(f, x1, ffn_post, ffn_comb), ffn_pre
 
     def decode_step(self, x: torch.Tensor, pre_mix_in: torch.Tensor, step: DeepseekV41DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,7 +224,7 @@ class DeepseekV41DecoderLayer(nn.Module):
             x = self.engram(x, step.engram_hash_ids[:, :, self.engram.hash_index])
         hc = self.hc
         attn_pre, attn_post, attn_comb = hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        o = self.attn.decode_step(self.attn_norm(hc.pre(x, pre_mix_in)), step)
+        o = self.attn.decode_step(hc.pre_norm(x, pre_mix_in, self.attn_norm), step)
         f = self.attn.output(o, step.freqs(self.attn.rotary))
         return self._ffn_half(f, x, attn_pre, attn_post, attn_comb)
 

@@ -16,7 +16,9 @@ Likewise the projection of :meth:`mixes` (two launches, for decode-sized calls; 
 Sinkhorn as well, its second launch also runs the split + Sinkhorn, the same ops bit for bit), the collapse
 and the expand (`pre`, `post`, one launch each) of bf16 streams in fast numerics (`triton_ops/hc_mix.py`, the plan's
 ``hc_mix`` backend) unless autograd records them: the same products, summed in another order at
-most.
+most. Where the collapse's and its norm's kernels would both run, :meth:`pre_norm` runs them as
+one launch, and :meth:`post_mixes` the expand and the next mixes' projection as two launches
+instead of three (`triton_ops/hc_fused.py`): bit for bit the separate kernels.
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
+from ..triton_ops.hc_fused import hc_post_mixes_triton, hc_pre_rms_norm_triton
 from ..triton_ops.hc_mix import MAX_HC_MULT as HC_MIX_MAX_HC_MULT
 from ..triton_ops.hc_mix import MIXES_MAX_ROWS as HC_MIXES_MAX_ROWS
 from ..triton_ops.hc_mix import hc_mixes_sinkhorn_triton, hc_mixes_triton, hc_post_triton, hc_pre_triton
 from ..triton_ops.hc_sinkhorn import hc_split_sinkhorn_triton
-from .layers_deepseek_v41_vl import needs_grad
+from ..triton_ops.rms_norm import MAX_COLS as RMS_NORM_MAX_COLS
+from ..triton_ops.rms_norm import WEIGHT_DTYPES as RMS_NORM_WEIGHT_DTYPES
+from .layers_deepseek_v41_vl import DeepseekV41RMSNorm, needs_grad
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
 
 # None: not configured, which computes like "exact"
@@ -208,6 +214,74 @@ class DeepseekV41HyperConnection(nn.Module):
             return hc_pre_triton(x, mix)
         return torch.sum(mix.unsqueeze(-1) * x.float(), dim=2).to(x.dtype)
 
+    def pre_norm(self, x: torch.Tensor, mix: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """``norm(self.pre(x, mix))``: the collapse and the sublayer's norm (`Block.hc_pre`, then
+        `attn_norm` / `ffn_norm`).
+
+        Where both would take their Triton kernels (the collapse's conditions of :meth:`pre`,
+        the norm's of `DeepseekV41RMSNorm.forward`, and no hooks on the norm), one launch
+        (`hc_fused.hc_pre_rms_norm_triton`), bit for bit the two; otherwise the two calls.
+
+        Args:
+            x: `[B, S, N, D]`; mix: fp32 `[B, S, N]`; norm: the sublayer's norm module.
+
+        Returns:
+            `[B, S, D]` in `x.dtype`, as `norm` returns it.
+
+        Raises:
+            DeepseekV41HyperConnectionError: `x` is not `[B, S, N, D]`.
+            HcMixError, RMSNormKernelError: (fast numerics) ``triton`` forced where the kernels
+                cannot run, or inputs that do not fit them.
+        """
+        self._check_stream(x, "x")
+        if self._fused((x,), (mix,)) and _norm_kernel_applies(norm, x):
+            return hc_pre_rms_norm_triton(x, mix, norm.weight, norm.eps)
+        return norm(self.pre(x, mix))
+
+    def post_mixes(
+        self,
+        f: torch.Tensor,
+        residual: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        fn: torch.Tensor,
+        scale: torch.Tensor,
+        base: torch.Tensor,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``x1 = self.post(f, residual, post, comb)`` and ``self.mixes(x1, fn, scale, base)``:
+        the expand and the projection of the next sublayer's mixes from its output.
+
+        Where both take their kernels (:meth:`post`'s and :meth:`mixes`' conditions), the expand
+        and the projection's first launch are one (`hc_fused.hc_post_mixes_triton`), bit for bit
+        the separate kernels; otherwise the two calls.
+
+        Args:
+            f, residual, post, comb: as :meth:`post`. fn, scale, base: as :meth:`mixes`.
+
+        Returns:
+            ``(x1, (pre, post, comb))``: :meth:`post`'s output and :meth:`mixes`' of it.
+
+        Raises:
+            DeepseekV41HyperConnectionError: `residual` is not `[B, S, N, D]`, or `fn` does not
+                match it.
+            HcMixError, HcSinkhornError: (fast numerics) ``triton`` forced where the kernels
+                cannot run, or inputs that do not fit them.
+        """
+        self._check_stream(residual, "residual")
+        if (
+            residual.size(0) * residual.size(1) <= HC_MIXES_MAX_ROWS
+            and fn.shape == ((2 + self.hc_mult) * self.hc_mult, self.hc_mult * residual.size(-1))
+            and residual.size(-1) > 0
+            and self._fused((residual, f), (post, comb, fn))
+        ):
+            if self.numerics.backend("hc_sinkhorn", residual.device) == "triton":
+                sinkhorn = (scale, base, self.sinkhorn_iters, self.hc_eps)
+                return hc_post_mixes_triton(f, residual, post, comb, fn, self.norm_eps, sinkhorn)
+            x1, m = hc_post_mixes_triton(f, residual, post, comb, fn, self.norm_eps)
+            return x1, hc_split_sinkhorn(m, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps)
+        x1 = self.post(f, residual, post, comb)
+        return x1, self.mixes(x1, fn, scale, base)
+
     def _fused(self, streams: tuple[torch.Tensor, ...], mixes: tuple[torch.Tensor, ...]) -> bool:
         # the `hc_mix` kernels (projection, collapse, expand): fast numerics with the Triton
         # backend, bf16 streams, fp32 mixes, and no autograd (the kernels have no backward)
@@ -265,6 +339,20 @@ POST_SLICE_BYTES = 256 << 20
 def _post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     mixed = torch.sum(comb.unsqueeze(-1) * residual.unsqueeze(-2), dim=2)
     return (post.unsqueeze(-1) * f.unsqueeze(-2) + mixed).type_as(f)
+
+
+def _norm_kernel_applies(norm: nn.Module, x: torch.Tensor) -> bool:
+    # whether `norm` would run its Triton kernel on the collapse of the bf16 stream `x` (the
+    # conditions of `DeepseekV41RMSNorm.forward`, the collapse being bf16 and recorded by autograd
+    # only if `x` or its mix is) with nothing watching its call: a plain DeepseekV41RMSNorm, no hooks
+    return (
+        type(norm) is DeepseekV41RMSNorm
+        and not (norm._forward_hooks or norm._forward_pre_hooks or _global_forward_hooks or _global_forward_pre_hooks)
+        and norm.weight.dtype in RMS_NORM_WEIGHT_DTYPES
+        and x.size(-1) <= RMS_NORM_MAX_COLS
+        and not needs_grad(norm.weight)
+        and norm.numerics.backend("rms_norm", x.device) == "triton"
+    )
 
 
 def identity_pre_mix(x: torch.Tensor, hc_mult: int) -> torch.Tensor:

@@ -768,6 +768,14 @@ if triton is not None:
         j = tl.arange(0, N)
         tl.store(out_ptr + j, _dequant.e4m3_to_bf16_ptx(tl.load(w_ptr + j)))
 
+    @triton.jit
+    def _e4m3_scaled_ptx_decode_probe(w_ptr, s_ptr, out_ptr, N: tl.constexpr):
+        # one row of e4m3 bytes, its scale byte per 32 columns, through the quantized linear's decode
+        row = tl.program_id(0)
+        j = tl.arange(0, N)
+        scale = _dequant.e8m0_to_bf16(tl.load(s_ptr + row * (N // 32) + j // 32).to(tl.int32))
+        tl.store(out_ptr + row * N + j, _dequant.e4m3_scaled_to_bf16_ptx(tl.load(w_ptr + row * N + j), scale))
+
 
 def test_e4m3_ptx_decode_equals_torch_for_every_byte():
     """`dequant.e4m3_to_bf16_ptx` (the quantized linear's fp8 weight decode on the GPU): every
@@ -779,6 +787,27 @@ def test_e4m3_ptx_decode_equals_torch_for_every_byte():
     finite = ~ref.isnan()
     assert int(finite.sum()) == 254
     assert torch.equal(out.view(torch.int16)[finite], ref.view(torch.int16)[finite])
+
+
+def test_e4m3_scaled_ptx_decode_equals_dequantize_fp8_weight_for_every_byte_and_scale():
+    """`dequant.e4m3_scaled_to_bf16_ptx` (the quantized linear's fp8 weight decode on the GPU) on all
+    256 e4m3 bytes under all 256 e8m0 scales (subnormal products, overflow to inf, the NaN scale
+    included): bit for bit `dequantize_fp8_weight`, except the two NaN bytes (unspecified)."""
+    from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import dequantize_fp8_weight
+
+    # row block r (32 rows) has the scale byte r; every row holds the 256 bytes, 8 scale columns
+    raw = torch.arange(256, dtype=torch.uint8, device=CUDA).repeat(256 * 32, 1)
+    scale = torch.arange(256, dtype=torch.uint8, device=CUDA)[:, None].repeat(1, 8)
+    out = torch.empty(256 * 32, 256, dtype=torch.bfloat16, device=CUDA)
+    row_scales = scale.repeat_interleave(32, dim=0).contiguous()
+    _e4m3_scaled_ptx_decode_probe[(256 * 32,)](raw, row_scales, out, N=256)
+    ref = dequantize_fp8_weight(raw.view(torch.float8_e4m3fn), scale.view(torch.float8_e8m0fnu))
+    nan_byte = ((raw & 0x7F) == 0x7F)
+    nan = ref.isnan() & ~nan_byte
+    assert int(nan.sum()) == 32 * 254  # the NaN scale (byte 255) row block
+    assert torch.equal(out.isnan()[~nan_byte], ref.isnan()[~nan_byte])
+    keep = ~nan_byte & ~ref.isnan()
+    assert torch.equal(out.view(torch.int16)[keep], ref.view(torch.int16)[keep])
 
 
 def test_fp4_ptx_decode_equals_dequantize_fp4_weight_for_every_byte_and_scale():
@@ -1272,3 +1301,51 @@ def test_decode_cuda_graphs_from_a_one_token_prompt_equal_eager_steps(golden):
             ours, ref = getattr(other, name), getattr(state, name)
             if ref is not None:
                 assert torch.equal(ours.rows(ours.length), ref.rows(ref.length)), (layer_id, name)
+
+
+@pytest.mark.parametrize("batch, seq", [(1, 1), (8, 1), (1, 8)])
+def test_hc_fused_kernels_equal_the_separate_kernels(batch, seq):
+    """The fused mHC kernels (`triton_ops/hc_fused.py`), compiled, bit for bit the launches they
+    replace at release width (hc 4, D 5120): collapse + norm against `hc_pre_triton` then
+    `rms_norm_triton` (bf16 and fp32 weights), expand + projection against `hc_post_triton` then
+    `hc_mixes_sinkhorn_triton` / `hc_mixes_triton`; rows of ordinary, tiny and huge magnitudes.
+    Then both captured in a CUDA graph and replayed: the same bits."""
+    from deepseek_v41_vl.triton_ops.hc_fused import hc_post_mixes_triton, hc_pre_rms_norm_triton
+    from deepseek_v41_vl.triton_ops.hc_mix import hc_mixes_sinkhorn_triton, hc_mixes_triton, hc_post_triton, hc_pre_triton
+    from deepseek_v41_vl.triton_ops.rms_norm import rms_norm_triton
+
+    _require_compiled_triton()
+
+    def same(a, b):
+        ints = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[a.dtype]
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(ints), b.view(ints))
+
+    gen = torch.Generator(device=CUDA).manual_seed(batch * 10 + seq)
+    hc, dim, rows = 4, 5120, batch * seq
+    scales = torch.tensor([1.0, 1e-36, 1e30, 3e-3, 1e18, 1.0, 0.5, 2.0], device=CUDA)[torch.arange(rows, device=CUDA) % 8]
+    x = (torch.randn(batch, seq, hc, dim, generator=gen, device=CUDA) * 4 * scales.view(batch, seq, 1, 1)).to(torch.bfloat16)
+    f = torch.randn(batch, seq, dim, generator=gen, device=CUDA).to(torch.bfloat16)
+    mix = torch.rand(batch, seq, hc, generator=gen, device=CUDA) + 1e-3
+    post = 2 * torch.rand(batch, seq, hc, generator=gen, device=CUDA)
+    comb = torch.rand(batch, seq, hc, hc, generator=gen, device=CUDA)
+    fn = torch.randn((2 + hc) * hc, hc * dim, generator=gen, device=CUDA) * (hc * dim) ** -0.5
+    scale = 0.5 + torch.rand(3, generator=gen, device=CUDA)
+    base = torch.randn((2 + hc) * hc, generator=gen, device=CUDA)
+    for w_dtype in (torch.bfloat16, torch.float32):
+        weight = (1 + 0.2 * torch.randn(dim, generator=gen, device=CUDA)).to(w_dtype)
+        assert same(hc_pre_rms_norm_triton(x, mix, weight, 1e-6), rms_norm_triton(hc_pre_triton(x, mix), weight, 1e-6))
+    want_x1 = hc_post_triton(f, x, post, comb)
+    want = hc_mixes_sinkhorn_triton(want_x1, fn, 1e-6, scale, base, 20, 1e-6)
+    x1, mixes = hc_post_mixes_triton(f, x, post, comb, fn, 1e-6, (scale, base, 20, 1e-6))
+    assert same(x1, want_x1) and all(same(a, b) for a, b in zip(mixes, want))
+    x1, m = hc_post_mixes_triton(f, x, post, comb, fn, 1e-6)
+    assert same(x1, want_x1) and same(m, hc_mixes_triton(want_x1, fn, 1e-6))
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_norm = hc_pre_rms_norm_triton(x, mix, weight, 1e-6)
+        g_x1, g_mixes = hc_post_mixes_triton(f, x, post, comb, fn, 1e-6, (scale, base, 20, 1e-6))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert same(g_norm, rms_norm_triton(hc_pre_triton(x, mix), weight, 1e-6))
+    assert same(g_x1, want_x1) and all(same(a, b) for a, b in zip(g_mixes, want))

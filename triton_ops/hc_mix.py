@@ -99,6 +99,24 @@ if triton is not None:
 
 
     @triton.jit
+    def _mixes_partial_step(x_ptr, fn_ptr, rows, row_ok, k0, K, NM, acc, sq,
+                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+        # One K step of the projection's first launch: columns k0 .. k0 + BLOCK_K of the rows
+        # `rows` of x ([T, K] bf16) into the dot products acc [BLOCK_T, BLOCK_M] and the sums of
+        # squares sq [BLOCK_T]. Also the step of `hc_fused._hc_post_mixes_kernel`.
+        outs = tl.arange(0, BLOCK_M)
+        out_ok = outs < NM
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        v = _bf16_to_fp32(tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
+                                  mask=row_ok[:, None] & col_ok[None, :], other=0.0))
+        w = tl.load(fn_ptr + outs.to(tl.int64)[None, :] * K + cols[:, None],
+                    mask=out_ok[None, :] & col_ok[:, None], other=0.0)  # fn^T tile [BLOCK_K, BLOCK_M]
+        acc = tl.dot(v, w, acc, input_precision="ieee")
+        sq += tl.sum(v * v, axis=1)
+        return acc, sq
+
+    @triton.jit
     def _hc_mixes_partial_kernel(x_ptr, fn_ptr, dot_ptr, sq_ptr, T, K, NM, K_PER_SPLIT,
                                  BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -110,14 +128,8 @@ if triton is not None:
         sq = tl.zeros((BLOCK_T,), dtype=tl.float32)
         k_lo = split * K_PER_SPLIT
         for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            col_ok = cols < K
-            v = _bf16_to_fp32(tl.load(x_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :],
-                                      mask=row_ok[:, None] & col_ok[None, :], other=0.0))
-            w = tl.load(fn_ptr + outs.to(tl.int64)[None, :] * K + cols[:, None],
-                        mask=out_ok[None, :] & col_ok[:, None], other=0.0)  # fn^T tile [BLOCK_K, BLOCK_M]
-            acc = tl.dot(v, w, acc, input_precision="ieee")
-            sq += tl.sum(v * v, axis=1)
+            acc, sq = _mixes_partial_step(x_ptr, fn_ptr, rows, row_ok, k0, K, NM, acc, sq,
+                                          BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
         base = (split * T + rows).to(tl.int64)
         tl.store(dot_ptr + base[:, None] * NM + outs[None, :], acc, mask=row_ok[:, None] & out_ok[None, :])
         tl.store(sq_ptr + base, sq, mask=row_ok)
@@ -185,18 +197,25 @@ def _mixes_partials(rows: torch.Tensor, fn: torch.Tensor, n_mix: int) -> tuple[t
     # the first launch of the projection: fp32 partial dot products [split, T, n_mix] and partial
     # sums of squares [split, T] of T >= 1 rows
     tokens, width = rows.shape
+    row_blocks, split, cols_per_split = _mixes_grid(tokens, width)
+    dots = torch.empty(split, tokens, n_mix, dtype=torch.float32, device=rows.device)
+    sq = torch.empty(split, tokens, dtype=torch.float32, device=rows.device)
+    _hc_mixes_partial_kernel[(row_blocks, split)](
+        rows, fn, dots, sq, tokens, width, n_mix, cols_per_split,
+        BLOCK_T=_MIXES_BLOCK_T, BLOCK_M=_mixes_block_m(n_mix), BLOCK_K=_MIXES_BLOCK_K, num_warps=4,
+    )
+    return dots, sq
+
+
+def _mixes_grid(tokens: int, width: int) -> tuple[int, int, int]:
+    # (row blocks, splits, columns per split) of the projection's first launch: its tiles, and so
+    # the order of its sums (also the tiles of `hc_fused.hc_post_mixes_triton`)
     row_blocks = triton.cdiv(tokens, _MIXES_BLOCK_T)
     k_steps = triton.cdiv(width, _MIXES_BLOCK_K)
     split = max(1, min(k_steps, _MIXES_SPLIT_TARGET // row_blocks))
     steps_per_split = triton.cdiv(k_steps, split)
     split = triton.cdiv(k_steps, steps_per_split)  # no split left without columns
-    dots = torch.empty(split, tokens, n_mix, dtype=torch.float32, device=rows.device)
-    sq = torch.empty(split, tokens, dtype=torch.float32, device=rows.device)
-    _hc_mixes_partial_kernel[(row_blocks, split)](
-        rows, fn, dots, sq, tokens, width, n_mix, steps_per_split * _MIXES_BLOCK_K,
-        BLOCK_T=_MIXES_BLOCK_T, BLOCK_M=_mixes_block_m(n_mix), BLOCK_K=_MIXES_BLOCK_K, num_warps=4,
-    )
-    return dots, sq
+    return row_blocks, split, steps_per_split * _MIXES_BLOCK_K
 
 
 def _mixes_block_m(n_mix: int) -> int:

@@ -49,18 +49,31 @@ class RMSNormKernelError(ValueError):
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, W_FP32: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        ok = cols < n_cols
-        x = _bf16_to_fp32(tl.load(x_ptr + row * n_cols + cols, mask=ok, other=0.0))
+    def _rms_norm_row(x, w_ptr, cols, ok, n_cols, eps, W_FP32: tl.constexpr):
+        # One row's norm: x fp32 [BLOCK] (0 where not ok) -> bf16 [BLOCK]. Also the body of
+        # `hc_fused._hc_pre_rms_norm_kernel`, so both compute the same operations in one order.
         mean = tl.sum(x * x, axis=0) / n_cols
         scaled = x * tl.div_rn(1.0, tl.sqrt_rn(mean + eps))  # 1/sqrt, each IEEE-rounded
         if W_FP32:
             w = tl.load(w_ptr + cols, mask=ok, other=0.0)
         else:
             w = _bf16_to_fp32(tl.load(w_ptr + cols, mask=ok, other=0.0))
-        tl.store(out_ptr + row * n_cols + cols, _to_bf16_rne(w * scaled), mask=ok)
+        return _to_bf16_rne(w * scaled)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, eps, W_FP32: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        x = _bf16_to_fp32(tl.load(x_ptr + row * n_cols + cols, mask=ok, other=0.0))
+        tl.store(out_ptr + row * n_cols + cols, _rms_norm_row(x, w_ptr, cols, ok, n_cols, eps, W_FP32), mask=ok)
+
+
+def _launch_shape(n_cols: int) -> tuple[int, int]:
+    # (BLOCK, num_warps) of a row of `n_cols` elements: the layout, and so the order in which the
+    # mean's sum is taken, of this kernel and of the fused collapse + norm (`hc_fused.py`)
+    block = triton.next_power_of_2(n_cols)
+    return block, 8 if block >= 4096 else 4
 
 
 def _kernel_is_interpreted() -> bool:
@@ -106,10 +119,10 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     n_rows = src.numel() // n_cols if n_cols else 0
     if n_rows == 0:
         return out
-    block = triton.next_power_of_2(n_cols)
+    block, num_warps = _launch_shape(n_cols)
     _rms_norm_kernel[(n_rows,)](
         src, weight.contiguous(), out, n_cols, float(eps), W_FP32=weight.dtype == torch.float32, BLOCK=block,
-        num_warps=8 if block >= 4096 else 4,
+        num_warps=num_warps,
     )
     return out
 
