@@ -105,11 +105,13 @@ def _random_weight(n: int, k: int, kind: str, g: torch.Generator):
 
 CASES = [  # kind, m, n, k, launch config (None: the default, 128 features per program)
     ("fp8", 1, 40, 64, None),
-    ("fp8", 3, 40, 96, QuantLinearConfig(block_n=16, split_k=2)),  # a scale row spans 2 programs
+    ("fp8", 3, 40, 96, QuantLinearConfig(block_n=16, split_k=2, groups_per_iter=1)),  # a scale row spans 2 programs
+    ("fp8", 3, 40, 384, QuantLinearConfig(block_n=16, split_k=3, groups_per_iter=4)),  # 3 ranges of one 4-group tile
     ("fp8", 3, 100, 96, None),
     ("fp8", 17, 40, 128, QuantLinearConfig(block_n=16, split_k=4, groups_per_iter=1)),  # 2 x 3 tiles, 4 ranges
     ("fp4", 1, 40, 64, None),
     ("fp4", 3, 40, 96, QuantLinearConfig(block_n=32, split_k=2, groups_per_iter=1)),
+    ("fp4", 2, 40, 320, QuantLinearConfig(block_n=32, split_k=2, groups_per_iter=4)),  # the last tile overruns K
     ("fp4", 3, 104, 96, None),
 ]
 

@@ -38,8 +38,9 @@ No fp8 dtype is used in the kernels: the interpreter's e4m3 conversion does not 
 and bit handling keeps interpreter and GPU in agreement.
 
 Also here, for the decode kernels (`moe_experts.py`, `quant_linear.py`) on the GPU only (inline PTX,
-which the interpreter cannot run): :func:`fp4_pairs_to_bf16_ptx` and :func:`e4m3_to_bf16_ptx`
-decode weight bytes to exact bf16 values with integer and bf16x2 instructions. For every kernel,
+which the interpreter cannot run): :func:`fp4_pairs_to_bf16_ptx` and :func:`e4m3_scaled_to_bf16_ptx`
+decode weight bytes and their scales to the dequantized bf16 values with integer and bf16x2
+instructions. For every kernel,
 interpreted or compiled: :func:`e8m0_to_fp32` and :func:`e8m0_to_bf16` turn scale bytes into the
 scale itself (a kernel that folds the scale into another power of 2, the ``(b + 14) << 23`` factors
 here and in `moe_prefill.py`, builds its exponent field directly).
@@ -174,35 +175,14 @@ if triton is not None:
             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
         )
 
-    # Two e4m3 bytes ($1) -> their bf16 values ($0, element 0 in the low half). Each byte's seven
-    # exponent / mantissa bits go to bf16 bits 4..10 and its sign to bit 15: that bf16 is the e4m3
-    # value times 2^-120 (e4m3 subnormals land on bf16 subnormals), and one exact multiply by 2^120
-    # (fma with -0.0, as `_FP4_PTX`) restores it. NaN bytes (0x7F, 0xFF) come out finite. Replaces
-    # Triton's e4m3 -> fp16 -> bf16 conversion, whose fp16 -> bf16 step runs at a quarter of the
-    # integer rate. The input is read before the output is written.
-    _E4M3_PTX = tl.constexpr(
-        """
-    {
-    .reg .b32 x01, z, m, s, bias, nz;
-    mov.b32 z, 0;
-    mov.b32 bias, 0x7B807B80;
-    mov.b32 nz, 0x80008000;
-    prmt.b32 x01, $1, z, 0x4140;
-    """
-        + _ptx_lanes("m", "x01", 4, "0x07F007F0", 8)
-        + """fma.rn.bf16x2 $0, m, bias, nz;
-    }
-    """
-    )
-
-    @triton.jit
-    def e4m3_to_bf16_ptx(raw):
-        """e4m3 bytes `raw` (uint8, any shape) -> their bf16 values (exact; NaN bytes unspecified).
-        Integer and bf16x2 instructions only (inline PTX, sm_80+); GPU only."""
-        return tl.inline_asm_elementwise(_E4M3_PTX, "=r,r", [raw], dtype=tl.bfloat16, is_pure=True, pack=2)
-
-    # `_E4M3_PTX` followed by one multiply by the bf16 scales ($2, two per register): the e4m3
-    # value (exact in bf16) times a power of two, rounded once, as bf16(value * scale) in fp32.
+    # Two e4m3 bytes ($1) and their bf16 scales ($2, two per register) -> bf16 value * scale ($0,
+    # element 0 in the low half). Each byte's seven exponent / mantissa bits go to bf16 bits 4..10
+    # and its sign to bit 15: that bf16 is the e4m3 value times 2^-120 (e4m3 subnormals land on
+    # bf16 subnormals); one exact multiply by 2^120 (fma with -0.0, as `_FP4_PTX`) restores the
+    # value, a second multiplies by the scale, rounded once, as bf16(value * scale) in fp32. NaN
+    # bytes (0x7F, 0xFF) come out finite. Replaces Triton's e4m3 -> fp16 -> bf16 conversion, whose
+    # fp16 -> bf16 step runs at a quarter of the integer rate. The inputs are read before the
+    # output is written.
     _E4M3_SCALED_PTX = tl.constexpr(
         """
     {

@@ -572,10 +572,6 @@ def _default_mma() -> str:
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) per launch; the interpreter uses small tiles (speed)
 _GPU_CONFIG = {"gate_up": (64, 128, 4, 3), "down": (64, 128, 4, 3)}
-# decode of a few rows: the down launch with 128 features and 8 warps per program (H200,
-# benchmarks/moe_experts.py --sweep, 6 pairs: 0.136 -> 0.115 ms eager for the routed experts)
-_GPU_CONFIG_FEW_PAIRS = {**_GPU_CONFIG, "down": (128, 128, 8, 2)}
-_FEW_PAIRS = 16
 _INTERPRET_CONFIG = {"gate_up": (32, 32, 1, 1), "down": (16, 32, 1, 1)}
 
 
@@ -659,7 +655,7 @@ def moe_experts_triton(
     ids = ids if ids.is_contiguous() else ids.contiguous()
     rw = weights.reshape(-1).contiguous()
     fmt = _FORMATS[table.fmt]
-    defaults = _INTERPRET_CONFIG if interpret else _GPU_CONFIG_FEW_PAIRS if n_pairs <= _FEW_PAIRS else _GPU_CONFIG
+    defaults = _INTERPRET_CONFIG if interpret else _GPU_CONFIG
     config = {**defaults, "splits": _default_splits(n_pairs, interpret), **(config or {})}
     splits = config["splits"]
     if (

@@ -346,10 +346,9 @@ def default_config(
     blocks alone give fewer than four programs per SM, into as many ranges as reach that (each of
     at least 4 groups of 32). At M = 1 on 132 SMs, N blocks x K ranges: (1280, 5120) 10 x 40;
     (32768, 1280) 256 x 3; (512, 5120) 4 x 40; (5120, 8192) 40 x 13; (2304, 5120) 18 x 20;
-    (5120, 2304) 40 x 9. Chosen from `benchmarks/quant_linear.py`-style sweeps on an H200
-    (graph-replayed, weights from HBM): these were within ~5% of the best of 30 configurations
-    per shape, and 10-30% faster than two programs per SM with 2 groups per step and 4 stages.
-    `weight_dtype` is accepted for per-format tuning.
+    (5120, 2304) 40 x 9. On an H200 (`benchmarks/quant_linear.py --sweep`, graph-replayed,
+    weights from HBM) these were within about 5% of the fastest configuration of each decode
+    shape. `weight_dtype` is accepted for per-format tuning.
     """
     del weight_dtype
     block_n = overrides.get("block_n", QuantLinearConfig.block_n)
@@ -508,7 +507,7 @@ def quantized_linear_triton(
         BLOCK_M=_BLOCK_M,
         GROUPS_PER_ITER=config.groups_per_iter,
         DOT_FP32=interpreted,
-        PTX_DECODE=not interpreted,  # fp8: `dequant.e4m3_to_bf16_ptx` (the interpreter cannot run PTX)
+        PTX_DECODE=not interpreted,  # `dequant`'s inline-PTX decodes (the interpreter cannot run PTX)
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
