@@ -33,8 +33,6 @@ from ..triton_ops.hc_mix import MAX_HC_MULT as HC_MIX_MAX_HC_MULT
 from ..triton_ops.hc_mix import MIXES_MAX_ROWS as HC_MIXES_MAX_ROWS
 from ..triton_ops.hc_mix import hc_mixes_sinkhorn_triton, hc_mixes_triton, hc_post_triton, hc_pre_triton
 from ..triton_ops.hc_sinkhorn import hc_split_sinkhorn_triton
-from ..triton_ops.rms_norm import MAX_COLS as RMS_NORM_MAX_COLS
-from ..triton_ops.rms_norm import WEIGHT_DTYPES as RMS_NORM_WEIGHT_DTYPES
 from .layers_deepseek_v41_vl import DeepseekV41RMSNorm, needs_grad
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
 
@@ -175,11 +173,8 @@ class DeepseekV41HyperConnection(nn.Module):
                 cannot run.
         """
         self._check_stream(x, "x")
-        if fn.shape != ((2 + self.hc_mult) * self.hc_mult, self.hc_mult * x.size(-1)):
-            raise DeepseekV41HyperConnectionError(
-                f"fn has shape {tuple(fn.shape)}, incompatible with x {tuple(x.shape)}"
-            )
-        if x.size(0) * x.size(1) <= HC_MIXES_MAX_ROWS and self._fused((x,), (fn,)):
+        self._check_fn(fn, x, "x")
+        if self._mixes_kernel_applies(x, fn):
             if self.numerics.backend("hc_sinkhorn", x.device) == "triton":
                 # both kernels: the projection's finish and the Sinkhorn share one launch
                 return hc_mixes_sinkhorn_triton(
@@ -219,7 +214,7 @@ class DeepseekV41HyperConnection(nn.Module):
         `attn_norm` / `ffn_norm`).
 
         Where both would take their Triton kernels (the collapse's conditions of :meth:`pre`,
-        the norm's of `DeepseekV41RMSNorm.forward`, and no hooks on the norm), one launch
+        `DeepseekV41RMSNorm.takes_kernel`, and no hooks on the norm), one launch
         (`hc_fused.hc_pre_rms_norm_triton`), bit for bit the two; otherwise the two calls.
 
         Args:
@@ -268,12 +263,8 @@ class DeepseekV41HyperConnection(nn.Module):
                 cannot run, or inputs that do not fit them.
         """
         self._check_stream(residual, "residual")
-        if (
-            residual.size(0) * residual.size(1) <= HC_MIXES_MAX_ROWS
-            and fn.shape == ((2 + self.hc_mult) * self.hc_mult, self.hc_mult * residual.size(-1))
-            and residual.size(-1) > 0
-            and self._fused((residual, f), (post, comb, fn))
-        ):
+        self._check_fn(fn, residual, "residual")
+        if self._fused((residual, f), (post, comb)) and self._mixes_kernel_applies(residual, fn):
             if self.numerics.backend("hc_sinkhorn", residual.device) == "triton":
                 sinkhorn = (scale, base, self.sinkhorn_iters, self.hc_eps)
                 return hc_post_mixes_triton(f, residual, post, comb, fn, self.norm_eps, sinkhorn)
@@ -281,6 +272,18 @@ class DeepseekV41HyperConnection(nn.Module):
             return x1, hc_split_sinkhorn(m, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps)
         x1 = self.post(f, residual, post, comb)
         return x1, self.mixes(x1, fn, scale, base)
+
+    def _check_fn(self, fn: torch.Tensor, x: torch.Tensor, name: str) -> None:
+        if fn.shape != ((2 + self.hc_mult) * self.hc_mult, self.hc_mult * x.size(-1)):
+            raise DeepseekV41HyperConnectionError(
+                f"fn has shape {tuple(fn.shape)}, incompatible with {name} {tuple(x.shape)}"
+            )
+
+    def _mixes_kernel_applies(self, x: torch.Tensor, fn: torch.Tensor) -> bool:
+        # the projection's kernels for the stream `x` (checked, with `fn`): decode-sized calls
+        # (past MIXES_MAX_ROWS rows cuBLAS's GEMM is faster) under `_fused`'s conditions;
+        # :meth:`mixes` and :meth:`post_mixes` ask it
+        return x.size(0) * x.size(1) <= HC_MIXES_MAX_ROWS and self._fused((x,), (fn,))
 
     def _fused(self, streams: tuple[torch.Tensor, ...], mixes: tuple[torch.Tensor, ...]) -> bool:
         # the `hc_mix` kernels (projection, collapse, expand): fast numerics with the Triton
@@ -342,16 +345,14 @@ def _post(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: tor
 
 
 def _norm_kernel_applies(norm: nn.Module, x: torch.Tensor) -> bool:
-    # whether `norm` would run its Triton kernel on the collapse of the bf16 stream `x` (the
-    # conditions of `DeepseekV41RMSNorm.forward`, the collapse being bf16 and recorded by autograd
-    # only if `x` or its mix is) with nothing watching its call: a plain DeepseekV41RMSNorm, no hooks
+    # whether `norm` would run its Triton kernel on the collapse of the bf16 stream `x` (no grad:
+    # `_fused`), with nothing watching its call: a plain DeepseekV41RMSNorm, no hooks. The
+    # collapse has the stream's dtype, width and device, and autograd records it only if `x` or
+    # its mix needs grad, so the norm's own predicate asked of `x` answers for it.
     return (
         type(norm) is DeepseekV41RMSNorm
         and not (norm._forward_hooks or norm._forward_pre_hooks or _global_forward_hooks or _global_forward_pre_hooks)
-        and norm.weight.dtype in RMS_NORM_WEIGHT_DTYPES
-        and x.size(-1) <= RMS_NORM_MAX_COLS
-        and not needs_grad(norm.weight)
-        and norm.numerics.backend("rms_norm", x.device) == "triton"
+        and norm.takes_kernel(x)
     )
 
 

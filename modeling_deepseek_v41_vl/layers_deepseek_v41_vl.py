@@ -44,14 +44,19 @@ class DeepseekV41RMSNorm(nn.Module):
         self.numerics = as_numerics(numerics)
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.bfloat16))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
+    def takes_kernel(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`forward` runs the Triton kernel on `x` (also asked by
+        `DeepseekV41HyperConnection.pre_norm`, which then runs the same kernel body fused)."""
+        return (
             x.dtype == torch.bfloat16
             and self.weight.dtype in RMS_NORM_WEIGHT_DTYPES
             and x.size(-1) <= RMS_NORM_MAX_COLS
             and not needs_grad(x, self.weight)  # the kernel has no backward
             and self.numerics.backend("rms_norm", x.device) == "triton"
-        ):
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.takes_kernel(x):
             return rms_norm_triton(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()

@@ -8,8 +8,7 @@ REFERENCE.md section 4) read back a row the launch before them has just written:
 - the expand after the attention and the projection of the FFN's mixes, ``x1 = hc_post(...)``
   then ``hc_mixes(x1, ...)`` (`Block.hc_post`, then `Block.hc_mixes`): :func:`hc_post_mixes_triton`
   writes ``x1`` and the projection's partial sums in one launch, which leaves the projection's
-  second launch (`hc_sinkhorn._finish_split_sinkhorn`: finish + split + Sinkhorn, or the finish
-  alone).
+  second launch (`hc_mix._finish`: finish + split + Sinkhorn, or the finish alone).
 
 Each is bit for bit the launches it replaces, by construction:
 
@@ -22,9 +21,9 @@ Each is bit for bit the launches it replaces, by construction:
   the projection step the projection kernel's (`hc_mix._mixes_partial_step`), which reads back the
   ``x1`` tile this program has just stored (a barrier in between), so it runs on the same loads,
   in the same register layout, as in the projection's own kernel;
-- the same rounding: the collapse and the expand round each product to fp32 on its own and add
-  it (no FMA contraction), as their kernels compiled without FP fusion do; here the product is
-  ``mul.rn.f32`` (`_mul_rn`), which no compiler pass contracts, so the kernels can be compiled as
+- the same code for the first op: the collapse and the expand are the jit helpers of their own
+  kernels (`hc_mix._collapse`, `hc_mix._expand`), whose products are ``mul.rn.f32``
+  (`hc_mix._mul_rn`), which no compiler pass contracts into an FMA, so the kernels are compiled as
   the norm and projection kernels are (FP fusion at Triton's default), which is what their sums of
   squares were compiled with. The bf16 rounding of the collapse / expand is kept before the
   second op.
@@ -44,18 +43,16 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
-from .hc_mix import MIXES_MAX_ROWS, HcMixError, _check_runnable, _fp32, _mixes_block_m, _mixes_grid, _stream
-from .hc_mix import _MIXES_BLOCK_K, _MIXES_BLOCK_T
-from .hc_sinkhorn import HcSinkhornError, _check_params, _finish_split_sinkhorn
-from .hc_sinkhorn import _check_runnable as _check_sinkhorn_runnable
+from .hc_mix import MIXES_MAX_ROWS, HcMixError, _check_runnable, _check_sinkhorn, _empty_mixes, _finish
+from .hc_mix import _MIXES_BLOCK_K, _MIXES_BLOCK_T, _MIXES_NUM_WARPS, _mixes_block_m, _mixes_fn, _mixes_grid
+from .hc_mix import _fp32, _post_args, _stream
 from .kernel_backend import kernel_interpreted, on_input_device
-from .rms_norm import MAX_COLS as RMS_NORM_MAX_COLS
-from .rms_norm import WEIGHT_DTYPES as RMS_NORM_WEIGHT_DTYPES
+from .rms_norm import _check_weight as _check_norm_weight
 from .rms_norm import _launch_shape as _rms_norm_launch_shape
 
 if triton is not None:
     from .fake_quant import _bf16_to_fp32
-    from .hc_mix import _hc_mixes_finish_kernel, _mixes_partial_step
+    from .hc_mix import _collapse, _expand, _mixes_partial_step
     from .quant_linear import _to_bf16_rne
     from .rms_norm import _rms_norm_row
 
@@ -63,26 +60,12 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _mul_rn(a, b, INTERPRET: tl.constexpr):
-        # a * b rounded to fp32, never contracted with a following add into an FMA
-        if INTERPRET:
-            out = a * b  # numpy's product: no FMA
-        else:
-            out = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
-                                            is_pure=True, pack=1)
-        return out
-
-    @triton.jit
     def _hc_pre_rms_norm_kernel(x_ptr, mix_ptr, w_ptr, out_ptr, D, eps, HC: tl.constexpr, W_FP32: tl.constexpr,
                                 INTERPRET: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < D
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for i in tl.static_range(HC):  # `hc_mix._hc_pre_kernel`
-            m = tl.load(mix_ptr + t * HC + i)
-            x = _bf16_to_fp32(tl.load(x_ptr + (t * HC + i) * D + cols, mask=ok, other=0.0))
-            acc += _mul_rn(tl.broadcast_to(m, (BLOCK,)), x, INTERPRET)
+        acc = _collapse(x_ptr, mix_ptr, t, cols, ok, D, HC, INTERPRET)
         y = tl.where(ok, _bf16_to_fp32(_to_bf16_rne(acc)), 0.0)  # the collapse's bf16 row, 0 past D
         tl.store(out_ptr + t * D + cols, _rms_norm_row(y, w_ptr, cols, ok, D, eps, W_FP32), mask=ok)
 
@@ -114,14 +97,8 @@ if triton is not None:
                 j = (cols // D)[None, :]
                 d = cols[None, :] - j * D
                 j_ok = ok
-            mixed = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
-            for i in tl.static_range(HC):  # mixed = sum_i comb[t, i, j] * res[t, i, d], from i = 0
-                c = tl.load(comb_ptr + (r64[:, None] * HC + i) * HC + j, mask=j_ok, other=0.0)
-                r = _bf16_to_fp32(tl.load(res_ptr + (r64[:, None] * HC + i) * D + d, mask=ok, other=0.0))
-                mixed += _mul_rn(tl.broadcast_to(c, (BLOCK_T, BLOCK_K)), r, INTERPRET)
-            p = tl.load(post_ptr + r64[:, None] * HC + j, mask=j_ok, other=0.0)
-            f = _bf16_to_fp32(tl.load(f_ptr + r64[:, None] * D + d, mask=ok, other=0.0))
-            out = _mul_rn(tl.broadcast_to(p, (BLOCK_T, BLOCK_K)), f, INTERPRET) + mixed
+            out = _expand(f_ptr, res_ptr, post_ptr, comb_ptr, r64[:, None], j, j_ok, d, ok, D, HC, INTERPRET,
+                          ROWS=BLOCK_T, COLS=BLOCK_K)
             tl.store(x1_ptr + r64[:, None] * K + cols[None, :], _to_bf16_rne(out), mask=ok)
             tl.debug_barrier()  # the tile's stores visible to all of the program's threads
             acc, sq = _mixes_partial_step(x1_ptr, fn_ptr, rows, row_ok, k0, K, NM, acc, sq,
@@ -150,10 +127,7 @@ def hc_pre_rms_norm_triton(x: torch.Tensor, mix: torch.Tensor, weight: torch.Ten
     """
     tokens, hc, dim = _stream(x, "x")
     mix = _fp32(mix, tuple(x.shape[:3]), "mix")
-    if weight.dtype not in RMS_NORM_WEIGHT_DTYPES or tuple(weight.shape) != (dim,):
-        raise HcMixError(f"weight must be bf16 or fp32 [{dim}], got {weight.dtype} {list(weight.shape)}")
-    if dim > RMS_NORM_MAX_COLS:
-        raise HcMixError(f"rows of {dim} elements are past the norm kernel's {RMS_NORM_MAX_COLS}")
+    _check_norm_weight(weight, dim, HcMixError)
     _check_runnable(x, mix, weight)
     x = x.contiguous()
     out = torch.empty(*x.shape[:2], dim, dtype=torch.bfloat16, device=x.device)
@@ -206,51 +180,28 @@ def hc_post_mixes_triton(
         HcSinkhornError: `sinkhorn`'s tensors of other shapes or dtypes or not on the device of
             `residual`, or ``iters`` out of range.
     """
-    tokens, hc, dim = _stream(residual, "residual")
-    lead = tuple(residual.shape[:2])
-    if f.dtype != torch.bfloat16 or tuple(f.shape) != (*lead, dim):
-        raise HcMixError(f"f must be bf16 {[*lead, dim]}, got {f.dtype} {list(f.shape)}")
-    post = _fp32(post, tuple(residual.shape[:3]), "post")
-    comb = _fp32(comb, (*residual.shape[:3], hc), "comb")
-    n_mix, width = (2 + hc) * hc, hc * dim
-    if width == 0:
-        raise HcMixError(f"residual {tuple(residual.shape)} has no columns: the projection's norm would divide by 0")
+    tokens, hc, dim, post, comb = _post_args(f, residual, post, comb)
+    n_mix, width, fn = _mixes_fn(residual, fn, "residual")
     if tokens > MIXES_MAX_ROWS:
         raise HcMixError(f"{tokens} token rows are past the projection kernels' {MIXES_MAX_ROWS}")
-    fn = _fp32(fn, (n_mix, width), "fn")
     _check_runnable(residual, f, post, comb, fn)
     if sinkhorn is not None:
-        scale, base, iters, hc_eps = sinkhorn
-        _check_params(scale, base, hc, iters)
-        if not (scale.device == base.device == residual.device):
-            raise HcSinkhornError(
-                f"residual, scale and base must be on one device, got {residual.device}, {scale.device}, {base.device}"
-            )
-        _check_sinkhorn_runnable(residual.device)
+        _check_sinkhorn(residual, "residual", sinkhorn)
     residual, f = residual.contiguous(), f.contiguous()
     x1 = torch.empty(residual.shape, dtype=torch.bfloat16, device=residual.device)
+    lead = tuple(residual.shape[:2])
     if tokens == 0:
-        if sinkhorn is None:
-            return x1, torch.empty(*lead, n_mix, dtype=torch.float32, device=x1.device)
-        shapes = ((hc,), (hc,), (hc, hc))
-        return x1, tuple(torch.empty(*lead, *shape, dtype=torch.float32, device=x1.device) for shape in shapes)
+        return x1, _empty_mixes(lead, hc, x1.device, sinkhorn)
     row_blocks, split, cols_per_split = _mixes_grid(tokens, width)
     dots = torch.empty(split, tokens, n_mix, dtype=torch.float32, device=x1.device)
     sq = torch.empty(split, tokens, dtype=torch.float32, device=x1.device)
-    block_m = _mixes_block_m(n_mix)
     _hc_post_mixes_kernel[(row_blocks, split)](
         f, residual, post, comb, x1, fn, dots, sq, tokens, dim, width, n_mix, cols_per_split,
         HC=hc, STEP_IN_COPY=dim % _MIXES_BLOCK_K == 0, INTERPRET=kernel_interpreted(_hc_post_mixes_kernel),
-        BLOCK_T=_MIXES_BLOCK_T, BLOCK_M=block_m, BLOCK_K=_MIXES_BLOCK_K, num_warps=4,
+        BLOCK_T=_MIXES_BLOCK_T, BLOCK_M=_mixes_block_m(n_mix), BLOCK_K=_MIXES_BLOCK_K, num_warps=_MIXES_NUM_WARPS,
         num_stages=1,  # no load of a later K step issued before that step's x1 tile is stored
     )
-    if sinkhorn is not None:
-        return x1, _finish_split_sinkhorn(dots, sq, width, norm_eps, scale, base, hc, iters, hc_eps, lead, block_m)
-    m = torch.empty(*lead, n_mix, dtype=torch.float32, device=x1.device)
-    _hc_mixes_finish_kernel[(tokens,)](
-        dots, sq, m, tokens, width, n_mix, float(norm_eps), SPLIT=split, BLOCK_M=block_m, num_warps=1,
-    )
-    return x1, m
+    return x1, _finish(dots, sq, width, norm_eps, lead, hc, sinkhorn)
 
 
 __all__ = ["hc_post_mixes_triton", "hc_pre_rms_norm_triton"]

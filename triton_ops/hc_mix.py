@@ -11,8 +11,11 @@ one token and a block of columns and keeps everything in registers::
     pre:   y[d]    = bf16( sum_i mix[i] * float(x[i, d]) )
     post:  out[j, d] = bf16( post[j] * float(f[d]) + sum_i comb[i, j] * float(res[i, d]) )
 
-with torch's order: each product rounded to fp32 on its own (no FMA contraction), the sum over
-the copies taken from 0 in ascending i, the expand's product added last, one rounding to bf16.
+with torch's order: each product rounded to fp32 on its own (no FMA contraction: ``mul.rn.f32``,
+`_mul_rn`, which no compiler pass contracts, whatever the kernel's FP fusion), the sum over the
+copies taken from 0 in ascending i, the expand's product added last, one rounding to bf16. The
+jit helpers `_collapse` and `_expand` are this arithmetic, also run by the fused kernels of
+`hc_fused.py`.
 Launch: grid ``(T, cdiv(D, BLOCK_D))`` for T tokens.
 
 The projection (:func:`hc_mixes_triton`) is, per token row ``v = float(x.flatten())`` of
@@ -69,34 +72,64 @@ class HcMixError(ValueError):
 if triton is not None:
 
     @triton.jit
-    def _hc_pre_kernel(x_ptr, mix_ptr, out_ptr, D, HC: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _mul_rn(a, b, INTERPRET: tl.constexpr):
+        # a * b (broadcast to one shape) rounded to fp32 on its own: ``mul.rn.f32``, which no
+        # compiler pass contracts with a following add into an FMA, whatever the kernel's FP fusion
+        a, b = tl.broadcast(a, b)
+        if INTERPRET:
+            out = a * b  # numpy's product: no FMA
+        else:
+            out = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                            is_pure=True, pack=1)
+        return out
+
+    @triton.jit
+    def _collapse(x_ptr, mix_ptr, t, cols, ok, D, HC: tl.constexpr, INTERPRET: tl.constexpr):
+        # The collapse of token t over the columns `cols` (0 where not ok), fp32:
+        # sum_i mix[t, i] * float(x[t, i, cols]), from i = 0, each product rounded on its own.
+        # Also the collapse of `hc_fused._hc_pre_rms_norm_kernel`.
+        acc = tl.zeros(cols.shape, dtype=tl.float32)
+        for i in tl.static_range(HC):
+            m = tl.load(mix_ptr + t * HC + i)
+            acc += _mul_rn(m, _bf16_to_fp32(tl.load(x_ptr + (t * HC + i) * D + cols, mask=ok, other=0.0)), INTERPRET)
+        return acc
+
+    @triton.jit
+    def _expand(f_ptr, res_ptr, post_ptr, comb_ptr, t, j, j_ok, d, ok, D, HC: tl.constexpr, INTERPRET: tl.constexpr,
+                ROWS: tl.constexpr, COLS: tl.constexpr):
+        # The expand of the [ROWS, COLS] tile of elements (t, j, d) (token, output copy, column;
+        # index tensors that broadcast to the tile, j in range where j_ok, d where ok), fp32:
+        # post[t, j] * float(f[t, d]) + sum_i comb[t, i, j] * float(res[t, i, d]), the sum from
+        # i = 0, each product rounded on its own, the expand's product added last. Also the
+        # expand of `hc_fused._hc_post_mixes_kernel`.
+        mixed = tl.zeros((ROWS, COLS), dtype=tl.float32)
+        for i in tl.static_range(HC):
+            c = tl.load(comb_ptr + (t * HC + i) * HC + j, mask=j_ok, other=0.0)
+            r = _bf16_to_fp32(tl.load(res_ptr + (t * HC + i) * D + d, mask=ok, other=0.0))
+            mixed += _mul_rn(c, r, INTERPRET)
+        p = tl.load(post_ptr + t * HC + j, mask=j_ok, other=0.0)
+        f = _bf16_to_fp32(tl.load(f_ptr + t * D + d, mask=ok, other=0.0))
+        return _mul_rn(p, f, INTERPRET) + mixed
+
+    @triton.jit
+    def _hc_pre_kernel(x_ptr, mix_ptr, out_ptr, D, HC: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_D: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         ok = cols < D
-        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        for i in tl.static_range(HC):
-            m = tl.load(mix_ptr + t * HC + i)
-            acc += m * _bf16_to_fp32(tl.load(x_ptr + (t * HC + i) * D + cols, mask=ok, other=0.0))
+        acc = _collapse(x_ptr, mix_ptr, t, cols, ok, D, HC, INTERPRET)
         tl.store(out_ptr + t * D + cols, _to_bf16_rne(acc), mask=ok)
 
     @triton.jit
-    def _hc_post_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.constexpr,
+    def _hc_post_kernel(f_ptr, res_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.constexpr, INTERPRET: tl.constexpr,
                         BLOCK_HC: tl.constexpr, BLOCK_D: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         ok = cols < D
         j = tl.arange(0, BLOCK_HC)
         j_ok = j < HC
-        acc = tl.zeros((BLOCK_HC, BLOCK_D), dtype=tl.float32)
-        for i in tl.static_range(HC):
-            c = tl.load(comb_ptr + (t * HC + i) * HC + j, mask=j_ok, other=0.0)  # comb[i, :]
-            r = _bf16_to_fp32(tl.load(res_ptr + (t * HC + i) * D + cols, mask=ok, other=0.0))
-            acc += c[:, None] * r[None, :]
-        p = tl.load(post_ptr + t * HC + j, mask=j_ok, other=0.0)
-        f = _bf16_to_fp32(tl.load(f_ptr + t * D + cols, mask=ok, other=0.0))
-        out = p[:, None] * f[None, :] + acc
+        out = _expand(f_ptr, res_ptr, post_ptr, comb_ptr, t, j[:, None], j_ok[:, None], cols[None, :], ok[None, :], D,
+                      HC, INTERPRET, ROWS=BLOCK_HC, COLS=BLOCK_D)
         tl.store(out_ptr + (t * HC + j[:, None]) * D + cols[None, :], _to_bf16_rne(out), mask=j_ok[:, None] & ok[None, :])
-
 
     @triton.jit
     def _mixes_partial_step(x_ptr, fn_ptr, rows, row_ok, k0, K, NM, acc, sq,
@@ -176,21 +209,89 @@ def _fp32(t: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
     return t.contiguous()
 
 
-# rows per program of the projection; columns per K step; programs a decode row is split over
+# rows per program of the projection; columns per K step; programs a decode row is split over;
+# warps per program
 _MIXES_BLOCK_T = 16
-_MIXES_BLOCK_K = 128
+_MIXES_BLOCK_K = 64
 _MIXES_SPLIT_TARGET = 128
+_MIXES_NUM_WARPS = 4
+
+
+def _post_args(
+    f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
+    # (tokens, hc, D, post, comb contiguous) of an expand of checked shapes and dtypes (the devices
+    # are the caller's `_check_runnable`); also `hc_fused.hc_post_mixes_triton`'s
+    tokens, hc, dim = _stream(residual, "residual")
+    if f.dtype != torch.bfloat16 or tuple(f.shape) != (*residual.shape[:2], dim):
+        raise HcMixError(f"f must be bf16 {[*residual.shape[:2], dim]}, got {f.dtype} {list(f.shape)}")
+    post = _fp32(post, tuple(residual.shape[:3]), "post")
+    comb = _fp32(comb, (*residual.shape[:3], hc), "comb")
+    return tokens, hc, dim, post, comb
+
+
+def _mixes_fn(x: torch.Tensor, fn: torch.Tensor, name: str) -> tuple[int, int, torch.Tensor]:
+    # (n_mix, width, fn contiguous) of the projection of the stream `x` (checked by `_stream`);
+    # also `hc_fused.hc_post_mixes_triton`'s
+    hc, dim = x.size(2), x.size(3)
+    n_mix, width = (2 + hc) * hc, hc * dim
+    if width == 0:
+        raise HcMixError(f"{name} {tuple(x.shape)} has no columns: the projection's norm would divide by 0")
+    return n_mix, width, _fp32(fn, (n_mix, width), "fn")
 
 
 def _mixes_args(x: torch.Tensor, fn: torch.Tensor) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
     # (tokens, n_mix, width, x as [tokens, width], fn contiguous) of a checked projection
-    tokens, hc, dim = _stream(x, "x")
-    n_mix, width = (2 + hc) * hc, hc * dim
-    if width == 0:
-        raise HcMixError(f"x {tuple(x.shape)} has no columns: the projection's norm would divide by 0")
-    fn = _fp32(fn, (n_mix, width), "fn")
+    tokens, _, _ = _stream(x, "x")
+    n_mix, width, fn = _mixes_fn(x, fn, "x")
     _check_runnable(x, fn)
     return tokens, n_mix, width, x.contiguous().view(tokens, width), fn
+
+
+# the split + Sinkhorn's arguments after the projection: (scale, base, iters, hc_eps), as
+# :func:`hc_mixes_sinkhorn_triton` takes them
+_SinkhornArgs = tuple[torch.Tensor, torch.Tensor, int, float]
+
+
+def _check_sinkhorn(x: torch.Tensor, name: str, sinkhorn: _SinkhornArgs) -> None:
+    # HcSinkhornError unless the split + Sinkhorn of the stream `x` (checked by `_stream`) can run
+    # on `sinkhorn`; also `hc_fused.hc_post_mixes_triton`'s
+    scale, base, iters, _ = sinkhorn
+    _check_params(scale, base, x.size(2), iters)
+    if not (scale.device == base.device == x.device):
+        raise HcSinkhornError(
+            f"{name}, scale and base must be on one device, got {x.device}, {scale.device}, {base.device}"
+        )
+    _check_sinkhorn_runnable(x.device)
+
+
+def _empty_mixes(
+    lead: tuple[int, ...], hc: int, device: torch.device, sinkhorn: _SinkhornArgs | None
+) -> tuple[torch.Tensor, ...] | torch.Tensor:
+    # the output of a projection of no rows ([*lead] with a 0): (pre, post, comb) given
+    # `sinkhorn`, else the projection [*lead, (2 + hc) * hc]
+    if sinkhorn is None:
+        return torch.empty(*lead, (2 + hc) * hc, dtype=torch.float32, device=device)
+    return tuple(torch.empty(*lead, *shape, dtype=torch.float32, device=device) for shape in ((hc,), (hc,), (hc, hc)))
+
+
+def _finish(
+    dots: torch.Tensor, sq: torch.Tensor, width: int, eps: float, lead: tuple[int, ...], hc: int,
+    sinkhorn: _SinkhornArgs | None,
+) -> tuple[torch.Tensor, ...] | torch.Tensor:
+    # the projection's second launch, from the partials of its first (>= 1 rows): the finish +
+    # split + Sinkhorn given `sinkhorn` (pre, post, comb), else the finish alone (fp32 [*lead, n_mix]);
+    # also `hc_fused.hc_post_mixes_triton`'s
+    split, tokens, n_mix = dots.shape
+    block_m = _mixes_block_m(n_mix)
+    if sinkhorn is not None:
+        scale, base, iters, hc_eps = sinkhorn
+        return _finish_split_sinkhorn(dots, sq, width, eps, scale, base, hc, iters, hc_eps, lead, block_m)
+    out = torch.empty(*lead, n_mix, dtype=torch.float32, device=dots.device)
+    _hc_mixes_finish_kernel[(tokens,)](
+        dots, sq, out, tokens, width, n_mix, float(eps), SPLIT=split, BLOCK_M=block_m, num_warps=1,
+    )
+    return out
 
 
 def _mixes_partials(rows: torch.Tensor, fn: torch.Tensor, n_mix: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,7 +303,7 @@ def _mixes_partials(rows: torch.Tensor, fn: torch.Tensor, n_mix: int) -> tuple[t
     sq = torch.empty(split, tokens, dtype=torch.float32, device=rows.device)
     _hc_mixes_partial_kernel[(row_blocks, split)](
         rows, fn, dots, sq, tokens, width, n_mix, cols_per_split,
-        BLOCK_T=_MIXES_BLOCK_T, BLOCK_M=_mixes_block_m(n_mix), BLOCK_K=_MIXES_BLOCK_K, num_warps=4,
+        BLOCK_T=_MIXES_BLOCK_T, BLOCK_M=_mixes_block_m(n_mix), BLOCK_K=_MIXES_BLOCK_K, num_warps=_MIXES_NUM_WARPS,
     )
     return dots, sq
 
@@ -238,15 +339,11 @@ def hc_mixes_triton(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tens
             missing, or CPU tensors outside Triton's interpreter.
     """
     tokens, n_mix, width, rows, fn = _mixes_args(x, fn)
-    out = torch.empty(*x.shape[:2], n_mix, dtype=torch.float32, device=x.device)
+    lead, hc = tuple(x.shape[:2]), x.size(2)
     if tokens == 0:
-        return out
+        return _empty_mixes(lead, hc, x.device, None)
     dots, sq = _mixes_partials(rows, fn, n_mix)
-    _hc_mixes_finish_kernel[(tokens,)](
-        dots, sq, out, tokens, width, n_mix, float(eps), SPLIT=dots.size(0), BLOCK_M=_mixes_block_m(n_mix),
-        num_warps=1,
-    )
-    return out
+    return _finish(dots, sq, width, eps, lead, hc, None)
 
 
 @on_input_device
@@ -288,20 +385,13 @@ def hc_mixes_sinkhorn_triton(
             or ``iters`` out of range.
     """
     tokens, n_mix, width, rows, fn = _mixes_args(x, fn)
-    hc = x.size(2)
-    _check_params(scale, base, hc, iters)
-    if not (scale.device == base.device == x.device):
-        raise HcSinkhornError(
-            f"x, scale and base must be on one device, got {x.device}, {scale.device}, {base.device}"
-        )
-    _check_sinkhorn_runnable(x.device)
+    sinkhorn = (scale, base, iters, hc_eps)
+    _check_sinkhorn(x, "x", sinkhorn)
+    lead, hc = tuple(x.shape[:2]), x.size(2)
     if tokens == 0:
-        shapes = ((hc,), (hc,), (hc, hc))
-        return tuple(torch.empty(*x.shape[:2], *shape, dtype=torch.float32, device=x.device) for shape in shapes)
+        return _empty_mixes(lead, hc, x.device, sinkhorn)
     dots, sq = _mixes_partials(rows, fn, n_mix)
-    return _finish_split_sinkhorn(
-        dots, sq, width, norm_eps, scale, base, hc, iters, hc_eps, tuple(x.shape[:2]), _mixes_block_m(dots.size(-1))
-    )
+    return _finish(dots, sq, width, norm_eps, lead, hc, sinkhorn)
 
 
 @on_input_device
@@ -325,7 +415,7 @@ def hc_pre_triton(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:2], dim, dtype=torch.bfloat16, device=x.device)
     if tokens and dim:
         _hc_pre_kernel[(tokens, triton.cdiv(dim, _BLOCK_D))](
-            x, mix, out, dim, HC=hc, BLOCK_D=_BLOCK_D, num_warps=4, enable_fp_fusion=False
+            x, mix, out, dim, HC=hc, INTERPRET=kernel_interpreted(_hc_pre_kernel), BLOCK_D=_BLOCK_D, num_warps=4,
         )
     return out
 
@@ -346,18 +436,14 @@ def hc_post_triton(f: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, 
         HcMixError: other shapes or dtypes, tensors on two devices, Triton missing, or CPU
             tensors outside Triton's interpreter.
     """
-    tokens, hc, dim = _stream(residual, "residual")
-    if f.dtype != torch.bfloat16 or tuple(f.shape) != (*residual.shape[:2], dim):
-        raise HcMixError(f"f must be bf16 {[*residual.shape[:2], dim]}, got {f.dtype} {list(f.shape)}")
-    post = _fp32(post, tuple(residual.shape[:3]), "post")
-    comb = _fp32(comb, (*residual.shape[:3], hc), "comb")
+    tokens, hc, dim, post, comb = _post_args(f, residual, post, comb)
     _check_runnable(residual, f, post, comb)
     residual, f = residual.contiguous(), f.contiguous()
     out = torch.empty(residual.shape, dtype=torch.bfloat16, device=residual.device)
     if tokens and dim:
         _hc_post_kernel[(tokens, triton.cdiv(dim, _BLOCK_D))](
-            f, residual, post, comb, out, dim, HC=hc, BLOCK_HC=triton.next_power_of_2(hc), BLOCK_D=_BLOCK_D,
-            num_warps=4, enable_fp_fusion=False,
+            f, residual, post, comb, out, dim, HC=hc, INTERPRET=kernel_interpreted(_hc_post_kernel),
+            BLOCK_HC=triton.next_power_of_2(hc), BLOCK_D=_BLOCK_D, num_warps=4,
         )
     return out
 

@@ -76,6 +76,17 @@ def _launch_shape(n_cols: int) -> tuple[int, int]:
     return block, 8 if block >= 4096 else 4
 
 
+def _check_weight(weight: torch.Tensor, n_cols: int, error: type[ValueError] = RMSNormKernelError) -> None:
+    # a weight the kernel's body (`_rms_norm_row`) takes for rows of `n_cols` elements, or `error`
+    # (the caller's documented class; also `hc_fused.hc_pre_rms_norm_triton`'s check)
+    if weight.dtype not in WEIGHT_DTYPES:
+        raise error(f"the norm kernel takes a bf16 or fp32 weight, got {weight.dtype}")
+    if tuple(weight.shape) != (n_cols,):
+        raise error(f"weight {tuple(weight.shape)} must be [D] for rows of D = {n_cols} elements")
+    if n_cols > MAX_COLS:
+        raise error(f"rows of {n_cols} elements are past the kernel's {MAX_COLS}")
+
+
 def _kernel_is_interpreted() -> bool:
     # triton.jit picks the interpreter when the kernel is *defined* (TRITON_INTERPRET at import)
     return triton is not None and kernel_interpreted(_rms_norm_kernel)
@@ -98,14 +109,11 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
             device, D past the limit,
             Triton missing, or a CPU tensor outside Triton's interpreter.
     """
-    if x.dtype != torch.bfloat16 or weight.dtype not in WEIGHT_DTYPES:
-        raise RMSNormKernelError(f"rms_norm_triton takes bf16 x and a bf16 or fp32 weight, got {x.dtype} and {weight.dtype}")
-    if x.dim() == 0 or weight.shape != x.shape[-1:]:
-        raise RMSNormKernelError(f"weight {tuple(weight.shape)} must be [D] for x {tuple(x.shape)}")
+    if x.dtype != torch.bfloat16 or x.dim() == 0:
+        raise RMSNormKernelError(f"rms_norm_triton takes bf16 x [..., D], got {x.dtype} {tuple(x.shape)}")
+    _check_weight(weight, x.size(-1))
     if weight.device != x.device:
         raise RMSNormKernelError(f"weight is on {weight.device}, x on {x.device}")
-    if x.size(-1) > MAX_COLS:
-        raise RMSNormKernelError(f"rows of {x.size(-1)} elements are past the kernel's {MAX_COLS}")
     if not triton_available():
         raise RMSNormKernelError("rms_norm_triton needs the triton package, which is not installed")
     if x.device.type != "cuda" and not (_kernel_is_interpreted() and triton_interpret_mode()):
