@@ -187,3 +187,34 @@ def test_gradient_checkpointing_of_vit_blocks_and_decoder_layers_gives_the_same_
     assert grads.keys() == grads_again.keys() and any(n.startswith("model.vision.") for n in grads)
     for name in grads:
         assert torch.equal(grads[name], grads_again[name]), name
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+def test_a_left_padded_batch_gives_finite_gradients_to_every_parameter(converted_tiny_fp8, processor, photos, numerics):
+    """A padding query attends to no KV row: its output is 0 and the attention sink's gradient there
+    must be 0, not NaN (one NaN would spread to every weight through gradient clipping)."""
+    model = AutoModelForImageTextToText.from_pretrained(
+        converted_tiny_fp8, trust_remote_code=True, dtype=torch.float32, numerics=numerics
+    )
+    batch = _batch(processor, photos, ["A cat.", "A rocket standing on its launch pad at dawn."])
+    assert bool((batch["attention_mask"][:, 0] == 0).any())  # left padding (the processor's default)
+    model.train()
+    model(**batch).loss.backward()
+    sinks = [p for name, p in model.named_parameters() if name.endswith("attn_sink")]
+    assert sinks and all(p.grad is not None for p in sinks)
+    bad = [name for name, p in model.named_parameters() if p.grad is not None and not bool(p.grad.isfinite().all())]
+    assert not bad, f"non-finite gradients: {bad[:5]}"
+
+
+def test_sparse_attention_row_without_keys_gives_zero_and_a_zero_sink_gradient():
+    from deepseek_v41_vl.triton_ops.sparse_attention import sparse_attention_torch
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 4, 64, generator=g).to(torch.bfloat16)
+    kv = torch.randn(1, 5, 64, generator=g).to(torch.bfloat16)
+    idx = torch.tensor([[[0, 1, 2, -1], [-1, -1, -1, -1]]], dtype=torch.int32)  # query 1: no key
+    sink = torch.randn(4, generator=g).requires_grad_()
+    out = sparse_attention_torch(q, kv, idx, sink, 64**-0.5)
+    assert torch.equal(out[0, 1], torch.zeros_like(out[0, 1]))
+    out.float().sum().backward()
+    assert bool(sink.grad.isfinite().all()) and bool(sink.grad.ne(0).all())  # query 0 still reaches every head

@@ -11,7 +11,8 @@ computed as an online softmax over blocks of 64 indices, as the reference kernel
 max starts at -1e30, each block rescales the running sums by e^(old max - new max), the denominator
 is summed in fp32, and the probabilities are rounded to bf16 *relative to the running max* before
 the PV product. The sink is an unscaled logit in the denominator only. A row without any valid
-index gives 0 (the sink term is e^(sink + 1e30) = inf and 0 / inf = 0), never NaN.
+index gives 0, never NaN (the kernel: the sink term is e^(sink + 1e30) = inf and 0 / inf = 0;
+the torch function, which autograd runs, takes that term as 1, so the sink's gradient is 0 there).
 
 Two backends with these semantics:
 
@@ -144,7 +145,12 @@ def sparse_attention_torch(
         probs = torch.exp(logits - run_max.unsqueeze(-1))
         denom = denom * rescale + probs.sum(dim=-1)
         out = out * rescale.unsqueeze(-1) + torch.einsum("bmhk,bmkd->bmhd", probs.to(torch.bfloat16).float(), block_kv)
-    denom = denom + torch.exp(sink.float() - run_max)
+    # a row without any valid index keeps the initial max: its sink term e^(sink + 1e30) is inf and
+    # its output 0 / inf = 0; its term is taken as e^0 instead (the output 0 / 1 = 0, the same
+    # value), so that the sink's gradient stays 0 there rather than 0 * inf = NaN
+    empty = run_max == _INITIAL_MAX
+    sink_max = torch.where(empty, sink.float().expand_as(run_max), run_max)
+    denom = denom + torch.exp(sink.float() - sink_max)
     return (out / denom.unsqueeze(-1)).to(torch.bfloat16)
 
 
