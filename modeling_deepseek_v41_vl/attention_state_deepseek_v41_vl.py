@@ -7,11 +7,13 @@
   source), around the :class:`DeepseekV41AttentionCache` that persists across forwards. The
   caller makes one per forward and passes it to every layer in order; nothing is kept in module
   globals. Mirrors `inference/model.py: SharedAttentionRuntime` (`shared_attn`).
-- Left padding: :func:`left_padding_offsets` reads it from a transformers attention mask and
-  :func:`check_same_padding` checks a later forward against the cache; every row then runs as if
-  it started at its first real token (see `attention_deepseek_v41_vl.py`). Right padding
-  (:func:`right_padding_lengths`, without a cache only) runs the pads as tokens after each row's
-  last one and ranks each row's index lists over its own length.
+- Padding (:func:`read_padding`, one backbone forward's): every mask is ``[B, past + S]``
+  (:func:`check_mask_shape`, the one shape rule). Left padding: :func:`left_padding_offsets`
+  reads it from a transformers attention mask and :func:`check_same_padding` checks a later
+  forward against the cache; every row then runs as if it started at its first real token (see
+  `attention_deepseek_v41_vl.py`). Right padding (:func:`right_padding_lengths`, without a cache
+  only, so read at the start of a sequence, never per decode step) runs the pads as tokens after
+  each row's last one and ranks each row's index lists over its own length.
 - The window index lists of prefills, prefill chunks and one-token steps
   (:func:`window_topk_idxs`, :func:`chunk_window_idxs`, :func:`decode_window_idxs`,
   :func:`decode_window_idxs_at`). Mirrors `inference/model.py: get_window_topk_idxs`.
@@ -213,14 +215,45 @@ class DeepseekV41DecodeStep:
 # --------------------------------------------------------------------------- padding
 
 
+def check_mask_shape(attention_mask: torch.Tensor | None, past_length: int, seqlen: int, batch: int | None = None) -> None:
+    """The rule every attention mask of a forward follows, left or right padded: ``[B, past + S]``,
+    one column per position so far (read from the shape only: no device sync).
+
+    Args:
+        attention_mask: the mask, or None (nothing to check).
+        past_length: positions processed before this forward; seqlen: S, the tokens of this forward.
+        batch: B, the forward's batch rows; None: any.
+
+    Raises:
+        DeepseekV41AttentionError: a mask of another shape.
+    """
+    if attention_mask is None:
+        return
+    rows = attention_mask.size(0) if batch is None else batch
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (rows, past_length + seqlen):
+        raise DeepseekV41AttentionError(
+            f"attention_mask must be [batch, past + seq] = [{'B' if batch is None else batch}, {past_length + seqlen}], "
+            f"got {tuple(attention_mask.shape)}"
+        )
+
+
 def is_right_padding(attention_mask: torch.Tensor | None) -> bool:
     """True for a [B, S] 0/1 mask with a 0 after a 1 in some row and no 1 after a 0 in any row (a
-    mask whose only 0s fill whole rows is left padding)."""
+    mask whose only 0s fill whole rows is left padding). Reads the mask back (one device sync):
+    called at the start of a sequence without a cache only, or on an error path."""
     if attention_mask is None or attention_mask.dim() != 2:
         return False
     mask = attention_mask.to(torch.int64)
     steps = mask[:, 1:] - mask[:, :-1]
     return bool(((mask == 0) | (mask == 1)).all() & (steps <= 0).all() & (steps < 0).any())  # one sync
+
+
+def _right_padding_with_a_cache() -> DeepseekV41AttentionError:
+    return DeepseekV41AttentionError(
+        "only left padding is supported with a cache: attention_mask pads on the right, and the cache would "
+        "hold the pads as tokens of their rows; pad the batch on the left (padding_side=\"left\", as for "
+        "generation) or run without a cache (use_cache=False)"
+    )
 
 
 def right_padding_lengths(attention_mask: torch.Tensor | None, cached: bool) -> list[int] | None:
@@ -230,6 +263,8 @@ def right_padding_lengths(attention_mask: torch.Tensor | None, cached: bool) -> 
     pads after a row's last token never reach it when they run as tokens; the row's index lists
     then rank its own length (`DeepseekV41AttentionState.row_lengths`). A cache would hold the
     pads as tokens of their rows, read by every later forward: right padding runs without one.
+    Reads the mask back: for a forward from position 0 (a forward with a cache leaves the check
+    to :func:`left_padding_offsets`, which refuses right padding on its error path).
 
     Args:
         attention_mask: ``[B, S]`` (1 = token, 0 = padding), or None.
@@ -244,11 +279,7 @@ def right_padding_lengths(attention_mask: torch.Tensor | None, cached: bool) -> 
     if not is_right_padding(attention_mask):
         return None
     if cached:
-        raise DeepseekV41AttentionError(
-            "only left padding is supported with a cache: attention_mask pads on the right, and the cache would "
-            "hold the pads as tokens of their rows; pad the batch on the left (padding_side=\"left\", as for "
-            "generation) or run without a cache (use_cache=False)"
-        )
+        raise _right_padding_with_a_cache()
     return attention_mask.to(torch.int64).sum(dim=1).tolist()
 
 
@@ -266,24 +297,71 @@ def left_padding_offsets(attention_mask: torch.Tensor | None, past_length: int, 
         or None when no row has padding.
 
     Raises:
-        DeepseekV41AttentionError: a mask of another width, values other than 0/1, or padding that
-            is not on the left (a 0 after a 1).
+        DeepseekV41AttentionError: a mask of another width (:func:`check_mask_shape`), values other
+            than 0/1, or padding that is not on the left (a 0 after a 1; right padding is refused
+            naming its fixes, left padding or no cache).
     """
     if attention_mask is None:
         return None
-    if attention_mask.dim() != 2 or attention_mask.size(1) != past_length + seqlen:
-        raise DeepseekV41AttentionError(
-            f"attention_mask must be [batch, past + seq] = [B, {past_length + seqlen}], got {tuple(attention_mask.shape)}"
-        )
+    check_mask_shape(attention_mask, past_length, seqlen)
     mask = attention_mask.to(torch.int64)
-    if bool(((mask != 0) & (mask != 1)).any()):
+    pads = (mask == 0).sum(dim=1)
+    # one device sync for the three reads: values other than 0/1, a 0 after a 1, any padding
+    bad_values, not_left, padded = torch.stack(
+        [((mask != 0) & (mask != 1)).any(), (mask[:, 1:] < mask[:, :-1]).any(), pads.any()]
+    ).tolist()
+    if bad_values:
         raise DeepseekV41AttentionError("attention_mask must hold only 0 (padding) and 1 (token)")
-    if bool((mask[:, 1:] < mask[:, :-1]).any()):
+    if not_left:
+        if is_right_padding(attention_mask):
+            raise _right_padding_with_a_cache()
         raise DeepseekV41AttentionError(
             "only left padding is supported: attention_mask has a 0 after a 1 (pad the batch on the left)"
         )
-    pads = (mask == 0).sum(dim=1)
-    return pads if bool(pads.any()) else None
+    return pads if padded else None
+
+
+def read_padding(
+    attention_mask: torch.Tensor | None,
+    cache: DeepseekV41AttentionCache | None,
+    start_pos: int,
+    shape: tuple[int, int],
+    row_lengths: list[int] | None = None,
+) -> tuple[torch.Tensor | None, list[int] | None]:
+    """The padding of one backbone forward, from its attention mask: ``(pad_offsets, row_lengths)``
+    of :class:`DeepseekV41AttentionState`.
+
+    One shape rule for every mask (:func:`check_mask_shape`). Without a cache (a forward from
+    position 0) the mask may pad on the right (:func:`right_padding_lengths`, unless the caller
+    read it already and passes `row_lengths`) or on the left. With a cache it pads on the left
+    (:func:`left_padding_offsets`, which refuses right padding on its error path only, so that a
+    decode step does not read the mask back for it); the padding is recorded at the prefill and
+    every later mask must agree (:func:`check_same_padding`).
+
+    Args:
+        attention_mask: ``[B, past + S]``, or None (no padding, or the padding the cache recorded).
+        cache: the attention cache the forward continues or fills, or None.
+        start_pos: positions already in `cache`. shape: ``(B, S)`` of the forward's `input_ids`.
+        row_lengths: right padding the caller already read from `attention_mask`, or None.
+
+    Raises:
+        DeepseekV41AttentionError: as :func:`check_mask_shape`, :func:`left_padding_offsets`,
+            :func:`check_same_padding`.
+    """
+    batch, seqlen = shape
+    check_mask_shape(attention_mask, start_pos, seqlen, batch)
+    if cache is None:
+        if row_lengths is None:
+            row_lengths = right_padding_lengths(attention_mask, cached=False)
+        if row_lengths is not None:  # the pads run as tokens after each row's last one
+            return None, row_lengths
+        return left_padding_offsets(attention_mask, start_pos, seqlen), None
+    if attention_mask is not None or start_pos == 0:
+        pads = left_padding_offsets(attention_mask, start_pos, seqlen)
+        if start_pos > 0:
+            check_same_padding(cache.pad_offsets, pads, start_pos, batch)
+        cache.pad_offsets = pads
+    return cache.pad_offsets, None
 
 
 def check_same_padding(recorded: torch.Tensor | None, pads: torch.Tensor | None, start_pos: int, batch: int) -> None:
@@ -388,12 +466,14 @@ def decode_window_idxs_at(window: int, batch: int, pos: torch.Tensor) -> torch.T
 __all__ = [
     "DeepseekV41AttentionState",
     "DeepseekV41DecodeStep",
+    "check_mask_shape",
     "check_same_padding",
     "chunk_window_idxs",
     "decode_window_idxs",
     "decode_window_idxs_at",
     "is_right_padding",
     "left_padding_offsets",
+    "read_padding",
     "right_padding_lengths",
     "window_topk_idxs",
 ]

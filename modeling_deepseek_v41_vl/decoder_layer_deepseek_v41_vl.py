@@ -107,24 +107,28 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
     @property
     def _gradient_checkpointing_func(self) -> Callable:
         """The checkpoint function `gradient_checkpointing_enable` / `activation_checkpointing_enable`
-        set, always with ``use_reentrant=False``.
+        (or `_set_gradient_checkpointing`) set, always with ``use_reentrant=False``.
 
         Layers hand tensors to later layers through the attention state (compressed KV, index
         keys, top-k), outside the checkpoint's inputs and outputs. A reentrant checkpoint runs
         the first pass without autograd, so the gradient that flows back through those tensors
         would be lost; the non-reentrant one records them, and its recompute is :meth:`forward`'s
-        replay. A `use_reentrant=True` (or unset) request is therefore run non-reentrant, with a
-        warning.
+        replay. Any function but a ``partial(..., use_reentrant=False)`` is therefore bound to
+        ``use_reentrant=False``: a plain callable (`_set_gradient_checkpointing`'s default, the bare
+        `torch.utils.checkpoint.checkpoint`, which runs reentrant when the argument is unset) or a
+        partial without it silently, an explicit ``use_reentrant=True`` with a warning.
         """
         return self._checkpoint_func
 
     @_gradient_checkpointing_func.setter
     def _gradient_checkpointing_func(self, func: Callable) -> None:
-        if isinstance(func, partial) and func.keywords.get("use_reentrant") is not False:
-            logger.warning_once(
-                "DeepseekV41DecoderLayer: gradient checkpointing runs non-reentrant (use_reentrant=False); a reentrant "
-                "checkpoint would lose the gradients that reach a layer through the tensors later layers read"
-            )
+        asked = func.keywords.get("use_reentrant") if isinstance(func, partial) else None
+        if asked is not False and callable(func):  # (None, as a reset, stays None)
+            if asked:
+                logger.warning_once(
+                    "DeepseekV41DecoderLayer: gradient checkpointing runs non-reentrant (use_reentrant=False); a "
+                    "reentrant checkpoint would lose the gradients that reach a layer through the tensors later layers read"
+                )
             func = partial(func, use_reentrant=False)
         self._checkpoint_func = func
 

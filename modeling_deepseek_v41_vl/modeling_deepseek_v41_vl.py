@@ -45,13 +45,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling as ImageOut
 from transformers.modeling_outputs import MultimodalBaseModelOutputWithPast, MultimodalCausalLMOutputWithPast
 
 from .attention_deepseek_v41_vl import DeepseekV41Attention
-from .attention_state_deepseek_v41_vl import (
-    DeepseekV41AttentionState,
-    check_same_padding,
-    is_right_padding,
-    left_padding_offsets,
-    right_padding_lengths,
-)
+from .attention_state_deepseek_v41_vl import DeepseekV41AttentionState, read_padding, right_padding_lengths
 from .cache_deepseek_v41_vl import DeepseekV41AttentionCache, DeepseekV41Cache
 from .configuration_deepseek_v41_vl import DeepseekV41Config
 from .decode_step_deepseek_v41_vl import DeepseekV41DecodeRunner, check_step_inputs
@@ -235,6 +229,7 @@ class DeepseekV41Transformer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         image_span_embeds: torch.Tensor | None = None,
         output_hidden_states: bool = False,
+        row_lengths: list[int] | None = None,
     ) -> DeepseekV41TransformerOutput:
         """Prefill (cache empty), prefill chunk or one-token decode step. Mirrors `Transformer.forward`.
 
@@ -267,6 +262,8 @@ class DeepseekV41Transformer(nn.Module):
                 :meth:`get_image_span_embeddings`; instead of `pixel_values`, at any position.
             output_hidden_states: also return every block's collapsed output (see
                 :class:`DeepseekV41TransformerOutput`; costs one ``hc_pre`` per block).
+            row_lengths: without a cache, the right padding of `attention_mask` that the caller
+                read already (`right_padding_lengths`), so it is not read back twice; None: read here.
 
         Returns:
             :class:`DeepseekV41TransformerOutput`.
@@ -308,16 +305,11 @@ class DeepseekV41Transformer(nn.Module):
             input_ids, mm_token_type_ids, pixel_values, image_grid_thw, image_span_embeds, output_hidden_states
         )
         engram_mask = None if image_mask is None else ~image_mask
-        row_lengths = right_padding_lengths(attention_mask, cache is not None)  # refused with a cache
+        pad_offsets, row_lengths = read_padding(  # right padding only without a cache
+            attention_mask, cache.attention if cache is not None else None, start_pos, tuple(input_ids.shape), row_lengths
+        )
         if row_lengths is not None:  # the pads run as tokens after each row's last one
             attention_mask = None
-        if cache is not None and (attention_mask is not None or start_pos == 0):
-            pads = left_padding_offsets(attention_mask, start_pos, input_ids.size(1))
-            if start_pos > 0:
-                check_same_padding(cache.attention.pad_offsets, pads, start_pos, input_ids.size(0))
-            cache.attention.pad_offsets = pads
-        pad_offsets = cache.attention.pad_offsets if cache is not None \
-            else left_padding_offsets(attention_mask, start_pos, input_ids.size(1))
 
         if cache is not None:
             cache.make_room(input_ids.size(1))
@@ -580,8 +572,12 @@ class DeepseekV41PreTrainedModel(DeepseekV41DtypeCastMixin, DeepseekV41LoadingMi
                 f"the cache must be a DeepseekV41Cache, got {type(cache).__name__} (the model keeps a window ring, "
                 "compressor state and Engram history that a key/value cache cannot hold)"
             )
+        row_lengths = None
         if use_cache is None:  # right padding runs without a cache unless asked (it would hold the pads)
-            use_cache = self.config.text_config.use_cache and not is_right_padding(attention_mask)
+            use_cache = self.config.text_config.use_cache
+            if use_cache and cache is None:  # a new sequence: read the mask once, for the backbone too
+                row_lengths = right_padding_lengths(attention_mask, cached=False)
+                use_cache = row_lengths is None
         if cache is None and use_cache:
             cache = DeepseekV41Cache(self.config)
         engine_step = self.model.decode_runner.trusted and input_ids.size(1) == 1 and pixel_values is None
@@ -598,6 +594,7 @@ class DeepseekV41PreTrainedModel(DeepseekV41DtypeCastMixin, DeepseekV41LoadingMi
             cache=cache,
             logits_to_keep=logits_to_keep,
             output_hidden_states=self.config.output_hidden_states if output_hidden_states is None else output_hidden_states,
+            row_lengths=row_lengths,
         )
 
 

@@ -8,12 +8,17 @@ The tiny converted model in fp32 on the CPU, exact numerics."""
 
 from __future__ import annotations
 
+import logging
 import warnings
+from functools import partial
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from transformers import AutoModelForImageTextToText
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging as hf_logging
 
 import deepseek_v41_vl  # noqa: F401  (registers the Auto classes)
 from deepseek_v41_vl.modeling.decoder_layer_deepseek_v41_vl import DeepseekV41DecoderLayer
@@ -100,8 +105,55 @@ def test_every_decoder_layer_and_vit_block_is_a_gradient_checkpointing_layer(mod
     assert layers and all(isinstance(layer, GradientCheckpointingLayer) for layer in layers)
     assert all(isinstance(block, GradientCheckpointingLayer) for block in model.model.vision.blocks)
     assert set(_checkpointing_layers(model)) == set(layers) | set(model.model.vision.blocks)
-    # transformers checkpoints `forward` (its wrapper), not a replay of our own
-    assert DeepseekV41DecoderLayer.forward.__wrapped__ is not DeepseekV41DecoderLayer.forward
+
+
+def test_transformers_wrapper_calls_the_checkpoint_function_of_every_decoder_layer(model, batches, reference):
+    """The checkpoint function set on the layers is what runs them (transformers'
+    `GradientCheckpointingLayer.__call__`, not a replay of our own), once per layer, bound to
+    ``use_reentrant=False``, and every layer's forward runs again in the backward."""
+    calls = []
+
+    def counting_checkpoint(function, *args, use_reentrant=None, **kwargs):
+        calls.append(use_reentrant)
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=use_reentrant, **kwargs)
+
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=counting_checkpoint)
+    got = _loss_grads_and_replays(model, batches["text"])
+    assert calls == [False] * len(model.model.layers)
+    _assert_same(reference["text"], got, "text")
+    assert got[2] == got[3] == len(model.model.layers)
+
+
+def test_a_plain_checkpoint_function_runs_non_reentrant(model, batches, reference):
+    """`_set_gradient_checkpointing`'s default is the bare `torch.utils.checkpoint.checkpoint`,
+    reentrant with `use_reentrant` unset: the decoder layers still run it non-reentrant, so the
+    gradients that reach a layer through the attention state are kept."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch: `use_reentrant` should be passed explicitly
+        model._set_gradient_checkpointing(enable=True)
+        got = _loss_grads_and_replays(model, batches["text"])
+    _assert_same(reference["text"], got, "text")
+    assert got[2] == len(model.model.layers)
+    assert all(layer._gradient_checkpointing_func.keywords == {"use_reentrant": False} for layer in model.model.layers)
+
+
+@pytest.mark.parametrize(
+    ("func", "warns"),
+    [
+        (torch.utils.checkpoint.checkpoint, False),
+        (partial(torch.utils.checkpoint.checkpoint), False),
+        (partial(torch.utils.checkpoint.checkpoint, use_reentrant=False), False),
+        (partial(torch.utils.checkpoint.checkpoint, use_reentrant=True), True),
+    ],
+)
+def test_only_an_explicit_reentrant_request_warns(model, func, warns):
+    layer = model.model.layers[0]
+    logger = hf_logging.get_logger(DeepseekV41DecoderLayer.__module__)
+    logging.Logger.warning_once.cache_clear()  # transformers' `warning_once`: a warning given before
+    with CaptureLogger(logger) as captured:
+        layer._gradient_checkpointing_func = func
+    assert ("runs non-reentrant" in captured.out) == warns
+    assert layer._gradient_checkpointing_func.keywords["use_reentrant"] is False
 
 
 @pytest.mark.parametrize("kind", ["text", "image"])

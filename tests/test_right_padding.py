@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl as attention_state
 from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import is_right_padding, right_padding_lengths
 from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
 from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41AttentionError
@@ -28,6 +29,7 @@ PAD_ID = 2
 SHORT = "<｜begin▁of▁sentence｜><｜User｜><｜deepseek_image｜>What is it?<｜Assistant｜></think>"
 LONG = "<｜begin▁of▁sentence｜><｜User｜><｜deepseek_image｜><｜deepseek_image｜>Compare the two.<｜Assistant｜></think>"
 REFUSAL = r"only left padding is supported with a cache.*padding_side=\"left\".*use_cache=False"
+WIDTH = r"attention_mask must be \[batch, past \+ seq\] = \[1, 20\], got \(1, (12|24)\)"
 
 # one torch thread, as the golden fixtures were made (see conftest.one_torch_thread)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -91,6 +93,91 @@ def test_right_padded_image_rows_like_their_rows_alone(golden, variant):
         kwargs = {} if b == 2 else {"mm_token_type_ids": row_marks[b : b + 1, : row.numel()], **single}
         want = _logits(model, row[None], **kwargs)[0]
         assert_golden(logits[b, : row.numel()], want, f"row {b}", rel_l2=CHAIN_REL_L2)
+
+
+@pytest.mark.parametrize("variant", VARIANTS[:1])
+def test_right_padded_row_next_to_a_row_of_padding_only(golden, variant):
+    """A row of 19 tokens padded to 24 next to a row that is padding throughout (length 0): the
+    first equals its row alone, and the row of padding changes nothing of it."""
+    model = golden_model(golden, variant)
+    text, _ = run_inputs(golden, variant, "text")
+    row = text["input_ids"][0, :19]
+    ids, mask = right_pad([row, row[:0]], 24)
+    assert mask[1].sum() == 0 and right_padding_lengths(mask, cached=False) == [19, 0]
+    logits = _logits(model, ids, attention_mask=mask)
+    assert_golden(logits[0, :19], _logits(model, row[None])[0], "row 0", rel_l2=CHAIN_REL_L2)
+
+
+@pytest.mark.parametrize("variant", VARIANTS[:1])
+def test_right_padding_at_batch_size_one(golden, variant):
+    model = golden_model(golden, variant)
+    text, _ = run_inputs(golden, variant, "text")
+    row = text["input_ids"][1, :17]
+    ids, mask = right_pad([row], 24)
+    logits = _logits(model, ids, attention_mask=mask)
+    assert_golden(logits[0, :17], _logits(model, row[None])[0], "row 0", rel_l2=CHAIN_REL_L2)
+
+
+@pytest.mark.parametrize("width", [12, 24])
+@pytest.mark.parametrize("cached", [False, True])
+@pytest.mark.parametrize("variant", VARIANTS[:1])
+def test_backbone_refuses_a_right_padded_mask_of_another_width(golden, variant, width, cached):
+    """20 token ids with a mask of 10 ones padded on the right to 12 or 24 columns: refused as a
+    mask of the wrong width (not run with the ids past the mask's 1s as pads), with or without a
+    cache, before anything is stored."""
+    model = golden_model(golden, variant)
+    text, _ = run_inputs(golden, variant, "text")
+    ids = text["input_ids"][:1, :20]
+    mask = torch.zeros(1, width, dtype=torch.long)
+    mask[:, :10] = 1
+    assert is_right_padding(mask)
+    cache = DeepseekV41Cache(model.config) if cached else None
+    with pytest.raises(DeepseekV41AttentionError, match=WIDTH), torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache)
+    assert cache is None or cache.get_seq_length() == 0
+
+
+@pytest.fixture
+def right_padding_reads(monkeypatch):
+    """Every read of a mask for right padding (`is_right_padding`: a device sync), counted."""
+    calls = []
+    spied = attention_state.is_right_padding
+
+    def spy(mask):
+        calls.append(mask)
+        return spied(mask)
+
+    monkeypatch.setattr(attention_state, "is_right_padding", spy)
+    return calls
+
+
+@pytest.mark.parametrize("variant", VARIANTS[:1])
+def test_steps_with_a_cache_never_read_the_mask_for_right_padding(golden, variant, right_padding_reads):
+    """With a cache the mask is left padding or refused: a prefill and decode steps with an
+    all-ones or a left-padded mask never scan it for right padding (the refusal of a right-padded
+    one reads it on its error path only); a forward without a cache scans it once."""
+    model = golden_model(golden, variant)
+    text, _ = run_inputs(golden, variant, "text")
+    ids = torch.stack([text["input_ids"][0, :12], torch.cat([torch.full((3,), PAD_ID), text["input_ids"][1, :9]])])
+    ones = torch.ones(2, 1, dtype=torch.long)
+    caches = []
+    for mask in (torch.ones(2, 12, dtype=torch.long), torch.tensor([[1] * 12, [0] * 3 + [1] * 9])):
+        caches.append(DeepseekV41Cache(model.config))
+        with torch.no_grad():
+            model(ids, attention_mask=mask, cache=caches[-1])
+            for _ in range(2):
+                mask = torch.cat([mask, ones], dim=1)
+                model(ids[:, -1:], attention_mask=mask, cache=caches[-1])
+        assert caches[-1].get_seq_length() == 14
+        assert right_padding_reads == []
+    with torch.no_grad():
+        model(ids, attention_mask=torch.ones(2, 12, dtype=torch.long))
+    assert len(right_padding_reads) == 1
+    right_padding_reads.clear()
+    right = torch.cat([torch.ones(2, 14, dtype=torch.long), 0 * ones], dim=1)
+    with pytest.raises(DeepseekV41AttentionError, match=REFUSAL), torch.no_grad():  # its error path
+        model(ids[:, -1:], attention_mask=right, cache=caches[0])
+    assert len(right_padding_reads) == 1
 
 
 @pytest.mark.parametrize("variant", VARIANTS[:1])
@@ -164,6 +251,35 @@ def test_right_padded_hf_forward_of_text_rows(golden, model, use_cache):
         for b, row in enumerate(rows):
             want = model(input_ids=row[None], use_cache=False).logits[0]
             assert_golden(out.logits[b, : row.numel()], want, f"row {b}", rel_l2=CHAIN_REL_L2)
+
+
+def test_hf_forward_reads_a_mask_for_right_padding_once_and_never_with_a_cache(golden, model, right_padding_reads):
+    """`use_cache` unset: a new sequence's mask is read for right padding once (the HF class
+    decides whether to make a cache and hands the row lengths to the backbone); a forward on a
+    given cache (a step of a manual decode loop) does not read it at all."""
+    text, _ = run_inputs(golden, "model_tiny_fp8", "text")
+    ids, mask = right_pad([text["input_ids"][0], text["input_ids"][1, :19]])
+    with torch.no_grad():
+        assert model(input_ids=ids, attention_mask=mask).cache is None
+        assert len(right_padding_reads) == 1
+        right_padding_reads.clear()
+        cache = model(input_ids=ids, attention_mask=torch.ones_like(mask)).cache  # no padding: a cache is made
+        assert len(right_padding_reads) == 1 and cache.get_seq_length() == ids.size(1)
+        right_padding_reads.clear()
+        step = torch.ones(2, ids.size(1) + 1, dtype=torch.long)
+        model(input_ids=ids[:, -1:], attention_mask=step, past_key_values=cache)
+    assert right_padding_reads == []
+
+
+def test_hf_forward_refuses_a_right_padded_mask_of_another_width(golden, model):
+    text, _ = run_inputs(golden, "model_tiny_fp8", "text")
+    ids = text["input_ids"][:1, :20]
+    for width in (12, 24):
+        mask = torch.zeros(1, width, dtype=torch.long)
+        mask[:, :10] = 1
+        for use_cache in (None, False):
+            with pytest.raises(DeepseekV41AttentionError, match=WIDTH), torch.no_grad():
+                model(input_ids=ids, attention_mask=mask, use_cache=use_cache)
 
 
 def test_right_padding_with_a_cache_is_refused_with_the_fix(model, processor, photos):
