@@ -1,7 +1,8 @@
 """Checks `from_pretrained` runs on a loaded model before handing it out: no vision tower left at
-random values, no made-up Engram token map beside loaded Engram tables (the two missing weights a
-random value would make silently wrong; every other missing weight is initialized and reported, as
-transformers does), and no weight that holds NaN / Inf.
+random values, no made-up Engram token map beside loaded Engram tables, no made-up half of a
+quantized (weight, scale) pair beside its loaded other half (the missing weights a random value
+would make silently wrong; every other missing weight is initialized and reported, as transformers
+does), and no weight that holds NaN / Inf.
 
 A non-finite weight does not fail at load or at the forward: a NaN in the fp32 head or one e8m0
 scale byte 0xFF (NaN) makes every logit NaN, and greedy decoding then emits token 0 forever.
@@ -27,6 +28,7 @@ import re
 import torch
 from torch import nn
 
+from ..triton_ops.formats import E8M0_BIAS
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -73,7 +75,7 @@ _TESTS = {
 # largest e4m3 value (448 > 2^8) reaches 2^128, past fp32's and bf16's range, so the dequantized
 # weight (and every logit after it) would be Inf / NaN. A real checkpoint's scales are near
 # amax / 448, far below.
-E8M0_FIRST_REFUSED = 127 + 120
+E8M0_FIRST_REFUSED = E8M0_BIAS + 120
 
 
 def _exponent_all_ones(mask: int):
@@ -154,6 +156,7 @@ def check_finite_weights(model: nn.Module, source=None) -> None:
 
 _VISION_TENSOR = re.compile(r"^(model\.)?(vision|aligner)\.|^(model\.)?image_(start|end|newline)$")
 _ENGRAM_TABLE = re.compile(r"(^|\.)layers\.\d+\.engram\.embed\.(weight|scale)$")
+_TOKEN_MAP = "engram_hash.token_map"  # the buffer's name under the backbone (`model.` in the classes)
 
 
 def _checkpoint(path) -> str:
@@ -189,6 +192,18 @@ def refuse_a_random_vision_tower(model: nn.Module, info: dict, path) -> None:
         )
 
 
+def missing_token_map(model: nn.Module, info: dict) -> str | None:
+    """The name of the model's Engram token map when the checkpoint lacked it (it is among
+    ``info["missing_keys"]``), else None (loaded, or a model without Engram).
+
+    Args:
+        model: the loaded model.
+        info: transformers' loading info (its ``missing_keys``).
+    """
+    names = [name for name, _ in model.named_buffers() if name.endswith(_TOKEN_MAP)]
+    return names[0] if names and names[0] in set(info.get("missing_keys", ())) else None
+
+
 def refuse_a_made_up_token_map(model: nn.Module, info: dict, path) -> None:
     """Raise when the checkpoint lacks the Engram token map (raw token id -> compressed id) but holds
     Engram tables. The converter builds the map from the tokenizer (`build_compressed_token_map`),
@@ -205,16 +220,16 @@ def refuse_a_made_up_token_map(model: nn.Module, info: dict, path) -> None:
     Raises:
         DeepseekV41ModelError: the token map is missing while Engram tables were loaded, named.
     """
-    missing = set(info.get("missing_keys", ()))
-    token_map = [name for name, _ in model.named_buffers() if name.endswith("engram_hash.token_map")]
-    if not token_map or token_map[0] not in missing:
+    token_map = missing_token_map(model, info)
+    if token_map is None:
         return
+    missing = set(info.get("missing_keys", ()))
     loaded = sorted(
         name for name, _ in model.named_parameters() if _ENGRAM_TABLE.search(name) and name not in missing
     )
     if loaded:
         raise DeepseekV41ModelError(
-            f"{_checkpoint(path)} holds Engram tables ({len(loaded)} tensors, e.g. {loaded[0]}) but no {token_map[0]} "
+            f"{_checkpoint(path)} holds Engram tables ({len(loaded)} tensors, e.g. {loaded[0]}) but no {token_map} "
             "(raw token id -> compressed Engram id). The map is built from the tokenizer and the tables' rows are "
             "addressed through it: a made-up map would hash every n-gram to rows trained for other n-grams, and the "
             "model would run with wrong Engram memory without any error. Convert the checkpoint again: the converter "
@@ -222,4 +237,56 @@ def refuse_a_made_up_token_map(model: nn.Module, info: dict, path) -> None:
         )
 
 
-__all__ = ["E8M0_FIRST_REFUSED", "NONFINITE_CODES", "DeepseekV41NonFiniteWeightError", "check_finite_weights", "nonfinite_mask", "refuse_a_made_up_token_map", "refuse_a_random_vision_tower"]
+def _quantized_pairs(model: nn.Module) -> list[tuple[str, str]]:
+    """``(weight, scale)`` names of every block-quantized storage of `model`: a module holding a
+    ``weight`` and an e8m0 ``scale`` (fp8 / fp4 linears, the Engram tables)."""
+    pairs = []
+    for prefix, module in model.named_modules():
+        scale = module._parameters.get("scale")
+        if module._parameters.get("weight") is not None and scale is not None and scale.dtype == torch.float8_e8m0fnu:
+            dot = f"{prefix}." if prefix else ""
+            pairs.append((f"{dot}weight", f"{dot}scale"))
+    return pairs
+
+
+def refuse_a_half_loaded_pair(model: nn.Module, info: dict, path) -> None:
+    """Raise when the checkpoint held one half of a quantized (weight, scale) pair but not the other
+    (or held it at another shape, with ``ignore_mismatched_sizes=True``). An fp8 / fp4 weight is its
+    codes times its e8m0 scales, so a made-up scale beside loaded codes (or made-up codes beside
+    loaded scales) makes the loaded half wrong too: the layer would compute with weights no one
+    trained, with no error anywhere. A pair missing whole is initialized, as every missing weight.
+
+    Args:
+        model: the loaded model.
+        info: transformers' loading info (its ``missing_keys`` and ``mismatched_keys``).
+        path: the folder it was loaded from (None: a state dict), for the message.
+
+    Raises:
+        DeepseekV41ModelError: naming the pairs, the half the checkpoint held and the half it lacked.
+    """
+    fresh = set(info.get("missing_keys", ())) | {entry[0] for entry in info.get("mismatched_keys", ())}
+    half = [(weight, scale) for weight, scale in _quantized_pairs(model) if (weight in fresh) != (scale in fresh)]
+    if half:
+        described = [
+            f"{weight} without {scale}" if scale in fresh else f"{scale} without {weight}" for weight, scale in half
+        ]
+        raise DeepseekV41ModelError(
+            f"{_checkpoint(path)} holds only one half of {len(half)} quantized (weight, e8m0 scale) pairs "
+            f"({'; '.join(described[:3])}{'; ...' if len(half) > 3 else ''}). A quantized weight is "
+            "its fp8 / fp4 codes times its scales, so the weight and its scales must come from one checkpoint: a "
+            "made-up half would make the loaded half silently wrong. Convert the checkpoint again, or leave out both "
+            "tensors of a pair to have it initialized"
+        )
+
+
+__all__ = [
+    "E8M0_FIRST_REFUSED",
+    "NONFINITE_CODES",
+    "DeepseekV41NonFiniteWeightError",
+    "check_finite_weights",
+    "missing_token_map",
+    "nonfinite_mask",
+    "refuse_a_half_loaded_pair",
+    "refuse_a_made_up_token_map",
+    "refuse_a_random_vision_tower",
+]

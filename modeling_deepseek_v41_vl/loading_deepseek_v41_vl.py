@@ -2,8 +2,9 @@
 model adds to `from_pretrained`, `save_pretrained` and the dispatch of a `device_map`.
 
 - :class:`DeepseekV41LoadingMixin`: the `PreTrainedModel` overrides (``engram_device``, ``--link``
-  folders through `state_dict_adapter_deepseek_v41_vl.py`, packed fp4 viewed not cast, trainable
-  flags kept, disk-offloaded fp4 re-saved, `save_pretrained` in the converted-folder layout).
+  folders through `official_layout_deepseek_v41_vl.py`, packed fp4 viewed not cast, trainable
+  flags kept, disk-offloaded fp4 re-saved, missing weights checked by `load_checks_deepseek_v41_vl.py`,
+  `save_pretrained` in the converted-folder layout).
 - Engram tables resident in host memory while the layers run on GPUs (below).
 
 Engram tables: each table of the released model is ~91.5 GiB (`engram_num_embeddings` ~384M rows
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 import warnings
@@ -47,10 +47,13 @@ from transformers import PreTrainedModel
 
 from .engram_deepseek_v41_vl import DeepseekV41EngramEmbedding, DeepseekV41EngramError
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
-from .load_checks_deepseek_v41_vl import check_finite_weights, refuse_a_made_up_token_map, refuse_a_random_vision_tower
+from .load_checks_deepseek_v41_vl import (
+    check_finite_weights, missing_token_map, refuse_a_half_loaded_pair, refuse_a_made_up_token_map,
+    refuse_a_random_vision_tower,
+)
+from .official_layout_deepseek_v41_vl import load_official_layout, official_layout_index
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
 from .rope_deepseek_v41_vl import DeepseekV41RotaryEmbedding, rope_inv_frequencies
-from .state_dict_adapter_deepseek_v41_vl import convert_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -533,21 +536,6 @@ def _offloaded_layers_load_whole(module_classes: list[str]):
     return wrapped_dispatch_model(wrap)
 
 
-def _official_layout_index(path) -> dict[str, str] | None:
-    """The weight map of a local ``convert --link`` folder (its index ``metadata.layout`` is
-    ``"official"``), else None (a converted folder, a single file, a Hub id)."""
-    if path is None or not os.path.isdir(str(path)):
-        return None
-    index = os.path.join(str(path), "model.safetensors.index.json")
-    if not os.path.isfile(index):
-        return None
-    with open(index, encoding="utf-8") as f:
-        data = json.load(f)
-    if (data.get("metadata") or {}).get("layout") != "official":
-        return None
-    return data["weight_map"]
-
-
 def _install_stand_in_token_map(model: nn.Module) -> None:
     """The Engram token map of a model whose Engram tables are random (`Model(config)`, or a
     checkpoint without tables or map): the identity modulo the compressed vocabulary. Not for
@@ -591,13 +579,15 @@ class DeepseekV41LoadingMixin:
         ``dtype=torch.float32`` makes the vision tower and aligner fp32 (:meth:`set_vision_dtype`).
         ``numerics="exact"`` sets `config.text_config.numerics` (bitwise the reference on CPU).
         A local ``convert --link`` folder (index ``metadata.layout == "official"``) is then filled
-        through the load-time transform (:meth:`_load_official_layout`). Every loaded weight is then
-        checked for NaN / Inf (`load_checks_deepseek_v41_vl.check_finite_weights`: float values, e8m0
-        scales, e4m3 codes); ``check_finite=False`` skips it.
+        through the load-time transform (`official_layout_deepseek_v41_vl.load_official_layout`).
+        Every loaded weight is then checked for NaN / Inf (`load_checks_deepseek_v41_vl.check_finite_weights`:
+        float values, e8m0 scales, e4m3 codes); ``check_finite=False`` skips it.
 
         Missing weights follow transformers: initialized by `_init_weights` (valid fp8 / fp4 codes, e8m0
         scales) and reported (``missing_keys``), but refused where a random value would be silently wrong:
-        vision tensors of a vision model; the Engram token map beside loaded tables (else a stand-in).
+        vision tensors of a vision model; the Engram token map beside loaded tables (else a stand-in);
+        one half of a quantized (weight, scale) pair beside its loaded other half (a pair missing whole
+        is initialized).
 
         Engram tables in host memory: a `device_map` entry ``model.layers.{i}.engram.embed: "cpu"``
         under a layer on a GPU keeps that table resident on the CPU (only hash ids and looked-up
@@ -610,7 +600,8 @@ class DeepseekV41LoadingMixin:
             DeepseekV41ModelError: a ``--link`` folder with a `device_map` other than None / "cpu";
                 a checkpoint lacking vision weights loaded into a model with a vision tower (a config
                 without ``vision_config`` describes the released tower); a checkpoint with Engram
-                tables but no Engram token map.
+                tables but no Engram token map; a checkpoint holding an fp8 / fp4 weight (linear or
+                Engram table) without its e8m0 scale, or the scale without the weight.
             DeepseekV41NonFiniteWeightError: a weight holding NaN / Inf, named (a DeepseekV41ModelError).
             DeepseekV41EngramPlacementError: `engram_device` other than "cpu" or without a `device_map`;
                 a table mapped to "cpu" inside an offloaded ("disk", or "cpu" beside GPUs) layer.
@@ -631,7 +622,7 @@ class DeepseekV41LoadingMixin:
                 kwargs.get("device_map"), engram_device, cls._empty_for_device_map(path, kwargs), kwargs.get("max_memory")
             )
         check_engram_placement(kwargs.get("device_map"))  # before the weights load
-        official = _official_layout_index(path)
+        official = official_layout_index(path)
         if official is not None and kwargs.get("device_map") not in (None, "cpu"):
             raise DeepseekV41ModelError(
                 f"{path} is a --link folder (official tensor layout); it loads on CPU only, without a "
@@ -641,11 +632,12 @@ class DeepseekV41LoadingMixin:
         with _offloaded_layers_load_whole(list(cls._no_split_modules)), keep_engram_tables_resident():
             model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
         if official is not None:
-            model._load_official_layout(path, official)
+            load_official_layout(model, path, official)
         else:
             refuse_a_random_vision_tower(model, info, path)
+            refuse_a_half_loaded_pair(model, info, path)
             refuse_a_made_up_token_map(model, info, path)
-            if any(name.endswith("engram_hash.token_map") for name in info.get("missing_keys", ())):
+            if missing_token_map(model, info) is not None:
                 _install_stand_in_token_map(model)  # every Engram table is random too
         if check_finite:
             check_finite_weights(model, path)
@@ -702,53 +694,6 @@ class DeepseekV41LoadingMixin:
                 config if config is not None else path, **{key: kwargs[key] for key in hub if key in kwargs}
             )
         return empty_model(config, cls)
-
-    @torch.no_grad()
-    def _load_official_layout(self, folder, weight_map: dict[str, str]) -> None:
-        """Fill every tensor of a ``--link`` folder (official names in the linked source shards) with
-        `state_dict_adapter_deepseek_v41_vl.convert_state_dict` under this model's config, then
-        ``load_state_dict(strict=True)``. `PreTrainedModel.from_pretrained` cannot do it: it would
-        value-cast the fp8 ``wo_a`` weights (dequantized with their scales by the converter) and
-        leave their scales unexpected; everything it loaded is overwritten here.
-
-        Raises:
-            DeepseekV41ModelError: a missing or unexpected tensor after the transform.
-        """
-        from safetensors import safe_open
-
-        handles = {}
-        try:
-            for file in sorted(set(weight_map.values())):
-                handles[file] = safe_open(os.path.join(folder, file), framework="pt")
-
-            def get_tensor(name: str) -> torch.Tensor:
-                return handles[weight_map[name]].get_tensor(name)
-
-            official = [name for name in weight_map if not name.startswith(f"{self.base_model_prefix}.")]
-            state = dict(convert_state_dict(official, get_tensor, self.config))
-            # the converter's own entries (the Engram token map) already carry the model name
-            state.update({name: get_tensor(name) for name in weight_map if name not in official})
-        finally:
-            handles.clear()
-        expected = self.state_dict()
-        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise DeepseekV41ModelError(
-                f"{folder}: the official-layout weights do not fit the model: missing {missing[:5]}, "
-                f"unexpected {unexpected[:5]}"
-            )
-        for name, tensor in state.items():
-            target = expected[name]
-            if target.dtype != tensor.dtype or target.shape != tensor.shape:
-                raise DeepseekV41ModelError(
-                    f"{folder}: {name} is {tensor.dtype} {tuple(tensor.shape)} after the transform, the model "
-                    f"holds {target.dtype} {tuple(target.shape)}"
-                )
-            # byte copy: copy_ has no kernel for the 1-byte float formats (packed fp4, e8m0)
-            if target.element_size() == 1:
-                target.view(torch.uint8).copy_(tensor.view(torch.uint8))
-            else:
-                target.copy_(tensor)
 
     def _get_dtype_plan(self, dtype: torch.dtype) -> dict:
         """Loader dtype rules: only packed fp4 needs one (None = take the stored I8 as is; the

@@ -44,10 +44,12 @@ from ..triton_ops.fake_quant import FP4_SCALE_FORMATS as FP4_KERNEL_SCALE_FORMAT
 from ..triton_ops.fake_quant import FP8_GROUP as FP8_KERNEL_GROUP
 from ..triton_ops.fake_quant import fake_quant_fp4_triton, fake_quant_fp8_triton, fp4_group_supported
 # the formats' one definition (`triton_ops/formats.py`), under this module's names: one scale per 32
-# activations / per 32x32 fp8 weight block / per 32 fp4 weights; e4m3's and E2M1's largest values
+# activations / per 32x32 fp8 weight block / per 32 fp4 weights; e4m3's and E2M1's largest values; e8m0's bias
 from ..triton_ops.formats import BLOCK as QUANT_BLOCK
 from ..triton_ops.formats import E2M1_MAX as FP4_E2M1_MAX
 from ..triton_ops.formats import E4M3_MAX as FP8_E4M3_MAX
+from ..triton_ops.formats import E8M0_BIAS
+from .load_checks_deepseek_v41_vl import E8M0_FIRST_REFUSED
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
 
 
@@ -404,16 +406,26 @@ def fp4_block_gemm(
     return out.to(torch.bfloat16).view(*a.shape[:-1], n)
 
 
-# e8m0 exponents a fresh scale may take: 2^-127 (byte 0) up to 2^119 (byte 246; from byte 247 on
-# the load check refuses a scale, `load_checks_deepseek_v41_vl.E8M0_FIRST_REFUSED`)
-_E8M0_BIAS, _E8M0_LOWEST, _E8M0_HIGHEST = 127, -127, 119
+# e8m0 exponents a fresh scale may take: from the byte 0 (2^-127) up to the last byte the load
+# check accepts (2^119: from `E8M0_FIRST_REFUSED` on it refuses a scale)
+_E8M0_LOWEST = -E8M0_BIAS
+_E8M0_HIGHEST = E8M0_FIRST_REFUSED - 1 - E8M0_BIAS
 
 
 def e8m0_scale_byte(std: float) -> int:
     """The e8m0 byte of the power of two nearest `std` (in log2; 2^-127 for ``std <= 0``), clamped
-    to the scales the load check accepts."""
+    to the scales the load check accepts (2^119 at most).
+
+    Raises:
+        DeepseekV41QuantizationError: `std` is NaN or infinite (an ``initializer_range`` that is
+            not a number: no scale is nearest it).
+    """
+    if not math.isfinite(std):
+        raise DeepseekV41QuantizationError(
+            f"the std of fresh quantized weights must be a finite number (the config's initializer_range), got {std!r}"
+        )
     exponent = round(math.log2(std)) if std > 0 else _E8M0_LOWEST
-    return min(max(exponent, _E8M0_LOWEST), _E8M0_HIGHEST) + _E8M0_BIAS
+    return min(max(exponent, _E8M0_LOWEST), _E8M0_HIGHEST) + E8M0_BIAS
 
 
 def _is_fresh(tensor: torch.Tensor) -> bool:
@@ -435,14 +447,26 @@ def init_quantized_storage(weight: torch.Tensor, scale: torch.Tensor, std: float
     Each tensor is written only when it carries no ``_is_hf_initialized`` flag (what
     `transformers.initialization` does), so a weight or scale a checkpoint provided keeps its bytes.
     The weight is drawn from the global generator of its device (one ``randn`` of its logical shape).
+    The pair is one unit: `from_pretrained` refuses a checkpoint holding only one of the two
+    (`load_checks_deepseek_v41_vl.refuse_a_half_loaded_pair`), so both are fresh or neither is.
+
+    Args:
+        weight: written in place. float8_e4m3fn: a linear's ``[out, in]`` or an Engram table's
+            ``[num_embeddings, head_dim]``; float4_e2m1fn_x2: ``[out, in/2]`` (two E2M1 codes a byte).
+        scale: written in place, float8_e8m0fnu, any shape (fp8 linear ``[ceil(out/32), ceil(in/32)]``,
+            fp4 linear ``[out, in/32]``, Engram table ``[num_embeddings, head_dim/32]``).
+        std: the standard deviation the dequantized weight should have (the config's
+            ``initializer_range``); a finite float.
 
     Raises:
-        DeepseekV41QuantizationError: `weight` is not fp8 / packed fp4, or `scale` is not e8m0.
+        DeepseekV41QuantizationError: `weight` is not fp8 / packed fp4, `scale` is not e8m0, or `std`
+            is NaN / infinite (checked before anything is written).
     """
     if weight.dtype not in (torch.float8_e4m3fn, torch.float4_e2m1fn_x2) or scale.dtype != torch.float8_e8m0fnu:
         raise DeepseekV41QuantizationError(
             f"init_quantized_storage takes an fp8 / packed fp4 weight and an e8m0 scale, got {weight.dtype} and {scale.dtype}"
         )
+    scale_byte = e8m0_scale_byte(std)
     if _is_fresh(weight):
         if weight.dtype == torch.float8_e4m3fn:
             codes = cast_to_e4m3(torch.randn(weight.shape, device=weight.device))
@@ -451,7 +475,7 @@ def init_quantized_storage(weight: torch.Tensor, scale: torch.Tensor, std: float
             codes = pack_fp4(e2m1_codes(values.clamp(-FP4_E2M1_MAX, FP4_E2M1_MAX)))
         weight.view(torch.uint8).copy_(codes.view(torch.uint8))  # bytes: no 1-byte float kernel needed
     if _is_fresh(scale):
-        scale.view(torch.uint8).fill_(e8m0_scale_byte(std))
+        scale.view(torch.uint8).fill_(scale_byte)
 
 
 class DeepseekV41Linear(nn.Linear):

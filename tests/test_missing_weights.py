@@ -2,7 +2,8 @@
 initialized by `_init_weights` (fp8 / fp4 storage with valid codes and e8m0 scales, never the bytes
 `torch.empty` left) and reported (``missing_keys``, the loading report), and the model runs. It
 refuses, with the reason, only where a random value would be silently wrong: a vision tensor of a
-model with a vision tower, and the Engram token map beside loaded Engram tables.
+model with a vision tower, the Engram token map beside loaded Engram tables, and one half of a
+quantized (weight, scale) pair beside its loaded other half (a pair missing whole is initialized).
 
 Each case is a copy of the converted golden tiny folder (fp8 linears, packed fp4 experts, fp8
 Engram tables, a vision tower) with some tensors left out of its safetensors file. The last tests
@@ -25,12 +26,17 @@ from transformers.utils import logging as hf_logging
 
 import deepseek_v41_vl  # noqa: F401  (registers the Auto classes)
 from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41ModelError
-from deepseek_v41_vl.modeling.load_checks_deepseek_v41_vl import E8M0_FIRST_REFUSED, nonfinite_mask
+from deepseek_v41_vl.modeling.load_checks_deepseek_v41_vl import (
+    E8M0_FIRST_REFUSED,
+    nonfinite_mask,
+    refuse_a_half_loaded_pair,
+)
 from deepseek_v41_vl.modeling.modeling_deepseek_v41_vl import (
     DeepseekV41ForCausalLM,
     DeepseekV41ForConditionalGeneration,
 )
 from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import (
+    DeepseekV41Linear,
     DeepseekV41QuantizationError,
     e8m0_scale_byte,
     init_quantized_storage,
@@ -45,6 +51,7 @@ TOKEN_MAP = "model.engram_hash.token_map"
 ENGRAM_TABLES = [f"model.layers.{i}.engram.embed.{p}" for i in (1, 5) for p in ("weight", "scale")]
 
 # case -> the tensors left out of the folder; each is initialized, reported and the model runs
+# (a quantized weight always with its scale: a pair missing whole)
 CASES = {
     "linears, an expert, a norm and the head": [
         "model.layers.2.attn.wq_a.weight",  # fp8, with its scale
@@ -55,8 +62,7 @@ CASES = {
         "model.layers.2.ffn.experts.3.w1.weight",  # packed fp4, with its scale
         "model.layers.2.ffn.experts.3.w1.scale",
     ],
-    "a lone scale, the gate, the sink, the mHC and an Engram table": [
-        "model.layers.3.attn.wkv.scale",
+    "the gate, the sink, the mHC and an Engram table": [
         "model.layers.4.ffn.gate.bias",
         "model.layers.4.attn.attn_sink",
         "model.layers.4.hc_ffn_fn",
@@ -197,6 +203,36 @@ def test_a_missing_vision_tensor_is_refused_by_the_image_text_class(saved, tmp_p
     assert set(info["missing_keys"]) == set()
 
 
+# case -> the half of a quantized pair left out of the folder, and the half the folder holds
+HALF_PAIRS = {
+    "an fp8 linear's scale": ("model.layers.3.attn.wkv.scale", "model.layers.3.attn.wkv.weight"),
+    "a packed fp4 expert's weight": ("model.layers.2.ffn.experts.3.w1.weight", "model.layers.2.ffn.experts.3.w1.scale"),
+    "an Engram table's scale": ("model.layers.5.engram.embed.scale", "model.layers.5.engram.embed.weight"),
+}
+
+
+@pytest.mark.parametrize("case", list(HALF_PAIRS))
+def test_half_a_quantized_pair_is_refused(saved, tmp_path, case):
+    lacked, held = HALF_PAIRS[case]
+    folder = _folder_without(saved, tmp_path / "folder", [lacked])
+    refused = r"holds only one half of 1 quantized \(weight, e8m0 scale\) pairs"
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        with pytest.raises(DeepseekV41ModelError, match=refused) as raised:
+            auto.from_pretrained(folder)
+        message = str(raised.value)
+        assert f"({held} without {lacked})" in message, message
+        assert "must come from one checkpoint" in message and "silently wrong" in message
+
+
+def test_a_mismatched_half_of_a_pair_is_refused_too():
+    # `ignore_mismatched_sizes=True` initializes a tensor stored at another shape, like a missing one
+    layer = torch.nn.Sequential(DeepseekV41Linear(64, 64, "fp8"))
+    refuse_a_half_loaded_pair(layer, {"missing_keys": {"0.weight", "0.scale"}}, None)  # missing whole: fine
+    with pytest.raises(DeepseekV41ModelError, match=r"\(0\.scale without 0\.weight\)"):
+        info = {"missing_keys": set(), "mismatched_keys": {("0.weight", (64, 32), (64, 64))}}
+        refuse_a_half_loaded_pair(layer, info, None)
+
+
 def test_init_quantized_storage_fills_only_unflagged_tensors():
     std = 0.02
     weight = torch.zeros(64, 32, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
@@ -209,6 +245,17 @@ def test_init_quantized_storage_fills_only_unflagged_tensors():
     assert e8m0_scale_byte(0.0) == 0 and e8m0_scale_byte(1e60) == E8M0_FIRST_REFUSED - 1
     with pytest.raises(DeepseekV41QuantizationError, match="e8m0 scale"):
         init_quantized_storage(torch.zeros(4, 4, dtype=torch.bfloat16), scale, std)
+
+
+@pytest.mark.parametrize("std", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_std_is_refused_before_anything_is_written(std):
+    weight = torch.zeros(64, 32, dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+    scale = torch.zeros(64, 2, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    with pytest.raises(DeepseekV41QuantizationError, match="must be a finite number"):
+        e8m0_scale_byte(std)
+    with pytest.raises(DeepseekV41QuantizationError, match="must be a finite number"):
+        init_quantized_storage(weight, scale, std)
+    assert not weight.view(torch.uint8).any() and not scale.view(torch.uint8).any()
 
 
 # ----------------------------------------------------------------------------------------------
