@@ -245,7 +245,13 @@ def is_right_padding(attention_mask: torch.Tensor | None) -> bool:
         return False
     mask = attention_mask.to(torch.int64)
     steps = mask[:, 1:] - mask[:, :-1]
-    return bool(((mask == 0) | (mask == 1)).all() & (steps <= 0).all() & (steps < 0).any())  # one sync
+    return bool(_zeros_and_ones(attention_mask) & (steps <= 0).all() & (steps < 0).any())  # one sync
+
+
+def _zeros_and_ones(attention_mask: torch.Tensor) -> torch.Tensor:
+    # bool scalar tensor: every value is 0 or 1, read on the mask's own dtype (an integer cast
+    # first would turn a fractional float into 0)
+    return ((attention_mask == 0) | (attention_mask == 1)).all()
 
 
 def _right_padding_with_a_cache() -> DeepseekV41AttentionError:
@@ -308,7 +314,7 @@ def left_padding_offsets(attention_mask: torch.Tensor | None, past_length: int, 
     pads = (mask == 0).sum(dim=1)
     # one device sync for the three reads: values other than 0/1, a 0 after a 1, any padding
     bad_values, not_left, padded = torch.stack(
-        [((mask != 0) & (mask != 1)).any(), (mask[:, 1:] < mask[:, :-1]).any(), pads.any()]
+        [~_zeros_and_ones(attention_mask), (mask[:, 1:] < mask[:, :-1]).any(), pads.any()]
     ).tolist()
     if bad_values:
         raise DeepseekV41AttentionError("attention_mask must hold only 0 (padding) and 1 (token)")

@@ -465,7 +465,7 @@ class DeepseekV41PreTrainedModel(DeepseekV41DtypeCastMixin, DeepseekV41LoadingMi
         """Fresh values for parameters a checkpoint did not provide (and for `Model(config)`); fp8 / fp4
         weights and Engram tables get valid codes and e8m0 scales (`init_quantized_storage`). A token
         map is set to -1, which the model refuses; `from_pretrained` and `init_weights` settle it
-        (`loading_deepseek_v41_vl.py`: a made-up map beside loaded Engram tables is refused)."""
+        (`load_checks_deepseek_v41_vl.refuse_a_made_up_token_map`: a made-up map beside loaded Engram tables is refused)."""
         std = self.config.text_config.initializer_range
         if isinstance(module, (DeepseekV41Linear, DeepseekV41EngramEmbedding)) and module.scale is not None:
             init_quantized_storage(module.weight, module.scale, std)

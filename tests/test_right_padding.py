@@ -295,3 +295,13 @@ def test_right_padding_with_a_cache_is_refused_with_the_fix(model, processor, ph
         assert model(**batch, use_cache=False).cache is None
         left = processor(images=[photos, [photos[1]]], text=[LONG, SHORT], return_tensors="pt")
         assert model(**left, use_cache=True).cache.get_seq_length() == left["input_ids"].size(1)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.9])
+def test_a_fractional_float_mask_is_refused_not_truncated(fraction):
+    left_padding_offsets = attention_state.left_padding_offsets
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]]) * fraction
+    assert not is_right_padding(mask)
+    with pytest.raises(DeepseekV41AttentionError, match="only 0"):
+        left_padding_offsets(mask, 0, 4)
+    assert left_padding_offsets(torch.tensor([[0.0, 1.0], [1.0, 1.0]]), 0, 2).tolist() == [1, 0]  # exact floats work
