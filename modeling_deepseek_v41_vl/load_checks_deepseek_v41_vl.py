@@ -184,7 +184,7 @@ def refuse_a_random_vision_tower(model: nn.Module, info: dict, path) -> None:
     missing = sorted(name for name in info.get("missing_keys", ()) if _VISION_TENSOR.search(name))
     if missing:
         raise DeepseekV41ModelError(
-            f"{_checkpoint(path)} holds no weights for {len(missing)} vision tensors (e.g. {missing[0]}), which would "
+            f"{_checkpoint(path)} holds no weights for {len(missing)} vision tensor{'s' if len(missing) > 1 else ''} (e.g. {missing[0]}), which would "
             "stay random: the image features would be noise that the language model reads as a description of the "
             "image, and every answer about an image would be silently wrong. Its config describes a vision tower (a "
             "config without vision_config means the released one): load a text-only folder with "

@@ -299,5 +299,5 @@ def test_can_init_all_missing_weights(converted_tiny_fp8):
 
 def test_init_all_missing_weights_of_the_image_text_class_is_refused(converted_tiny_fp8):
     config = AutoConfig.from_pretrained(converted_tiny_fp8)
-    with pytest.raises(DeepseekV41ModelError, match="the state dict given holds no weights for .* vision tensors"):
+    with pytest.raises(DeepseekV41ModelError, match="the state dict given holds no weights for .* vision tensors?"):
         DeepseekV41ForConditionalGeneration.from_pretrained(None, config=config, state_dict={})
