@@ -38,10 +38,10 @@ from torch.nn.modules.module import (
 )
 
 from .attention_deepseek_v41_vl import decode_rows
-from .attention_state_deepseek_v41_vl import DeepseekV41DecodeStep, check_same_padding, left_padding_offsets
+from .attention_state_deepseek_v41_vl import DeepseekV41DecodeStep, check_mask_shape, check_same_padding, left_padding_offsets
 from .cache_deepseek_v41_vl import DeepseekV41Cache
 from .cuda_graphs_deepseek_v41_vl import GraphedSegment, graph_pool
-from .exceptions_deepseek_v41_vl import DeepseekV41AttentionError, DeepseekV41ModelError
+from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from .hyper_connection_deepseek_v41_vl import identity_pre_mix
 
 
@@ -99,10 +99,7 @@ def check_step_inputs(model, input_ids, mm_token_type_ids, attention_mask, cache
     """
     start = cache.get_seq_length()
     batch = input_ids.size(0)
-    if attention_mask is not None and tuple(attention_mask.shape) != (batch, start + 1):
-        raise DeepseekV41AttentionError(
-            f"attention_mask must be [batch, past + seq] = [{batch}, {start + 1}], got {tuple(attention_mask.shape)}"
-        )
+    check_mask_shape(attention_mask, start, 1, batch)
     if cache.batch_size not in (-1, batch):
         raise DeepseekV41ModelError(f"the cache holds {cache.batch_size} batch rows, input_ids {batch}")
     cache.make_room(1)
