@@ -227,7 +227,20 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
+class AbsentAttribute:
+    """A name a subclass does not have although its base class does: reading it, on the class or
+    on an instance, raises AttributeError (so ``hasattr`` is False for both, as checks such as
+    ``hasattr(model_class, "get_image_features")`` expect). A ``property`` would hide the name on
+    instances only."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def __get__(self, instance, owner):
+        raise AttributeError(self.message)
+
+
 __all__ = [
-    "DeepseekV41Head", "DeepseekV41DtypeCastMixin", "DeepseekV41EmbeddingsMixin", "DeepseekV41RMSNorm", "default_dtype",
-    "needs_grad", "on_device",
+    "AbsentAttribute", "DeepseekV41Head", "DeepseekV41DtypeCastMixin", "DeepseekV41EmbeddingsMixin",
+    "DeepseekV41RMSNorm", "default_dtype", "needs_grad", "on_device",
 ]

@@ -57,7 +57,8 @@ from .generation_deepseek_v41_vl import DeepseekV41GenerationMixin
 from .hyper_connection_deepseek_v41_vl import DeepseekV41HyperConnection, identity_pre_mix
 from .image_spans_deepseek_v41_vl import check_image_spans, image_span_length, llm_grid, parse_image_grid
 from .layers_deepseek_v41_vl import (
-    DeepseekV41DtypeCastMixin, DeepseekV41EmbeddingsMixin, DeepseekV41Head, DeepseekV41RMSNorm, default_dtype,
+    AbsentAttribute, DeepseekV41DtypeCastMixin, DeepseekV41EmbeddingsMixin, DeepseekV41Head, DeepseekV41RMSNorm,
+    default_dtype,
 )
 from .loading_deepseek_v41_vl import DeepseekV41LoadingMixin
 from .moe_deepseek_v41_vl import DeepseekV41Gate
@@ -751,9 +752,7 @@ class DeepseekV41ForCausalLM(DeepseekV41ForConditionalGeneration):
             config.architectures = ["DeepseekV41ForCausalLM"]
         super().__init__(config)
 
-    @property
-    def get_image_features(self):
-        raise AttributeError("DeepseekV41ForCausalLM is text-only: it has no get_image_features")
+    get_image_features = AbsentAttribute("DeepseekV41ForCausalLM is text-only: it has no get_image_features")
 
     def forward(
         self,

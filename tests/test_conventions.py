@@ -174,6 +174,8 @@ def test_get_image_features_follows_transformers_v5(converted_tiny_fp8, model, p
     assert len(as_tuple) == 2 and torch.equal(as_tuple[0], vit) and torch.equal(torch.cat(as_tuple[1]), rows)
     text_model = AutoModelForCausalLM.from_pretrained(converted_tiny_fp8)
     assert not hasattr(text_model, "get_image_features")
+    # transformers' mixins ask the class: it must not have the method either
+    assert not hasattr(type(text_model), "get_image_features") and hasattr(type(model), "get_image_features")
 
 
 def test_right_padded_training_batch_with_labels(model, processor):
