@@ -339,7 +339,7 @@ class DeepseekV41Attention(nn.Module):
         freqs = step.freqs(self.rotary)
         qr = self.q_norm(self.wq_a(x))
         own = step.cache.layer(self.layer_id)
-        own.window_kv.index_copy_(1, step.column % self.window, self.window_kv_rows(x, freqs))
+        own.window_kv.index_copy_(1, step.window_slot(self.window), self.window_kv_rows(x, freqs))
         window_idxs = step.window_idxs(self.window)
         q = self.queries(qr, freqs)
         if not self.ratio:

@@ -185,6 +185,14 @@ class DeepseekV41DecodeStep:
             self._tables[key] = rotary(self.positions.view(-1, 1))
         return self._tables[key]
 
+    def window_slot(self, window: int) -> torch.Tensor:
+        """The ring slot this step's token is written to, ``column % window``, int64 ``[1]`` (built
+        once per step for the layers of one window)."""
+        key = ("slot", window)
+        if key not in self._tables:
+            self._tables[key] = self.column % window
+        return self._tables[key]
+
     def window_idxs(self, window: int) -> torch.Tensor:
         """The ring slots each row's query reads, oldest first, int32 ``[B, 1, window]`` (-1 for
         slots of no position yet or of a row's padding; built once per step)."""
