@@ -25,7 +25,7 @@ Modes:
   while loading. The token map goes to ``engram_token_map.safetensors``;
 - ``text_only=True``: vision weights are dropped and the config's vision tower has 0 layers.
 
-DSpark/MTP weights (``mtp.*``) are always dropped (generation never calls the draft head).
+The DSpark draft head (``mtp.*``) is converted like the backbone blocks.
 
 Safety: the source is validated completely (config, every shard header against the official
 inventory, the index, the tokenizer and its Engram map) before anything is written; the folder is

@@ -54,6 +54,9 @@ class DeepseekV41AttentionState:
             tokens, the rest of the row padding after them (see :func:`right_padding_lengths`),
             or None. The pads run as tokens that no real token reads, and each row's index lists
             take the widths of its own length, so a row computes what it computes alone.
+        hidden_taps: the layers whose input the draft head reads (``dspark_target_layer_ids``)
+            -> the mean over the mHC copies of that input, after the layer's Engram, bf16
+            ``[B, S, D]`` (filled by the layers); None: nobody drafts, nothing is taken.
     """
 
     start_pos: int = 0
@@ -66,6 +69,7 @@ class DeepseekV41AttentionState:
     pad_offsets: torch.Tensor | None = None
     _pads: list[int] | None = field(default=None, init=False, repr=False)  # pad_offsets on the host
     row_lengths: list[int] | None = None
+    hidden_taps: dict[int, torch.Tensor | None] | None = None
 
     def shared_snapshot(self, layer_id: int) -> tuple:
         """What a layer reads of the state other layers write within a forward, as it is now (for

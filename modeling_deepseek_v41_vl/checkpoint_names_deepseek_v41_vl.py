@@ -15,14 +15,14 @@ module can be bundled flat next to the model as remote code):
   ============== ====================================================================================
   ``copy``       bytes as stored (an fp4 expert stays I8 on disk: safetensors has no fp4 dtype; the
                  model views it as ``float4_e2m1fn_x2``, even element in the low nibble)
-  ``to_fp32``    BF16 -> F32 (``head.weight``, ratio > 1 ``compressor.{wkv,wgate}.weight``)
+  ``to_fp32``    BF16 -> F32 (``head.weight``, ratio > 1 ``compressor.{wkv,wgate}.weight``,
+                 the draft head's ``confidence_head.proj.weight``)
   ``dequant_fp8`` F8_E4M3 ``[out, in]`` x F8_E8M0 32x32 block scale -> BF16 (always for ``wo_a``;
                  for every fp8 linear when the target ``weight_dtype`` is ``"bf16"``); exact
   ``dequant_fp4`` packed I8 ``[out, in/2]`` x F8_E8M0 ``[out, in/32]`` -> BF16 ``[out, in]`` (routed
                  experts when the target ``expert_weight_dtype`` is ``"bf16"``); exact
-  ``drop``       not in the converted model: a scale folded into its dequantized weight, the
-                 DSpark/MTP head (``mtp.*``, generation never calls it), vision weights of a
-                 text-only target
+  ``drop``       not in the converted model: a scale folded into its dequantized weight, vision
+                 weights of a text-only target
   ============== ====================================================================================
 
   The Engram table (``layers.{i}.engram.embed.{weight,scale}``) always stays fp8 + e8m0.
@@ -266,16 +266,18 @@ def official_inventory(config) -> dict[str, tuple[tuple[int, ...], str]]:
 
 # Kinds of tensors; `plan_tensor` turns (kind, stored dtype, target config) into an operation.
 PLAIN = "plain"  # held as stored
-HEAD = "head"  # BF16 -> F32
+HEAD = "head"  # BF16 -> F32 (the head, the draft head's confidence projection)
 COMPRESSOR = "compressor"  # F32 when the layer's ratio > 1, else as stored
 LINEAR = "linear"  # a quantizable linear (weight or scale), follows text_config.weight_dtype
 WO_A = "wo_a"  # dequantized to BF16 whatever the target storage
 EXPERT = "expert"  # a routed expert linear, follows text_config.expert_weight_dtype
 ENGRAM_TABLE = "engram_table"  # fp8 + e8m0, always kept
 VISION = "vision"  # held as stored; dropped for a text-only target
-MTP = "mtp"  # the DSpark/MTP head: always dropped
 
 _L = r"layers\.(?P<layer>\d+)"
+_M = r"mtp\.(?P<stage>\d+)"
+# a tensor every block has, of the backbone (`layers.{i}`) or of the draft head (`mtp.{j}`)
+_B = r"(?:layers\.(?P<layer>\d+)|mtp\.(?P<stage>\d+))"
 
 
 @dataclass(frozen=True)
@@ -298,25 +300,28 @@ RULES: tuple[Rule, ...] = (
     Rule("embed", r"embed\.weight", PLAIN),
     Rule("head", r"head\.weight", HEAD),
     Rule("final_norm", r"norm\.weight", PLAIN),
-    Rule("hc_params", _L + r"\.hc_(?:attn|ffn)_(?:fn|base|scale)", PLAIN),
-    Rule("block_norms", _L + r"\.(?:attn_norm|ffn_norm)\.weight", PLAIN),
-    Rule("attn_sink", _L + r"\.attn\.attn_sink", PLAIN),
-    Rule("attn_norms", _L + r"\.attn\.(?:q_norm|kv_norm)\.weight", PLAIN),
-    Rule("attn_linears", _L + r"\.attn\.(?:wq_a|wq_b|wkv|wo_b)\.(?:weight|scale)", LINEAR),
-    Rule("attn_wo_a", _L + r"\.attn\.wo_a\.(?:weight|scale)", WO_A),
+    Rule("hc_params", _B + r"\.hc_(?:attn|ffn)_(?:fn|base|scale)", PLAIN),
+    Rule("block_norms", _B + r"\.(?:attn_norm|ffn_norm)\.weight", PLAIN),
+    Rule("attn_sink", _B + r"\.attn\.attn_sink", PLAIN),
+    Rule("attn_norms", _B + r"\.attn\.(?:q_norm|kv_norm)\.weight", PLAIN),
+    Rule("attn_linears", _B + r"\.attn\.(?:wq_a|wq_b|wkv|wo_b)\.(?:weight|scale)", LINEAR),
+    Rule("attn_wo_a", _B + r"\.attn\.wo_a\.(?:weight|scale)", WO_A),
     Rule("compressor_projections", _L + r"\.attn\.compressor\.(?:wkv|wgate)\.weight", COMPRESSOR),
     Rule("compressor_norm", _L + r"\.attn\.compressor\.norm\.weight", PLAIN),
     Rule("indexer_wq_b", _L + r"\.attn\.indexer\.wq_b\.(?:weight|scale)", LINEAR),
     Rule("indexer_bf16", _L + r"\.attn\.indexer\.(?:weights_proj|wk|k_norm)\.weight", PLAIN),
-    Rule("gate_weight", _L + r"\.ffn\.gate\.weight", PLAIN),
-    Rule("gate_bias", _L + r"\.ffn\.gate\.bias", PLAIN),
-    Rule("gate_bias_vl", _L + r"\.ffn\.gate\.bias_vl", PLAIN),
-    Rule("routed_experts", _L + r"\.ffn\.experts\.(?P<expert>\d+)\.(?:w1|w2|w3)\.(?:weight|scale)", EXPERT),
-    Rule("shared_expert", _L + r"\.ffn\.shared_experts\.(?:w1|w2|w3)\.(?:weight|scale)", LINEAR),
+    Rule("gate_weight", _B + r"\.ffn\.gate\.weight", PLAIN),
+    Rule("gate_bias", _B + r"\.ffn\.gate\.bias", PLAIN),
+    Rule("gate_bias_vl", _B + r"\.ffn\.gate\.bias_vl", PLAIN),
+    Rule("routed_experts", _B + r"\.ffn\.experts\.(?P<expert>\d+)\.(?:w1|w2|w3)\.(?:weight|scale)", EXPERT),
+    Rule("shared_expert", _B + r"\.ffn\.shared_experts\.(?:w1|w2|w3)\.(?:weight|scale)", LINEAR),
     Rule("engram_table", _L + r"\.engram\.embed\.(?:weight|scale)", ENGRAM_TABLE),
     Rule("engram_wkv", _L + r"\.engram\.wkv\.(?:weight|scale)", LINEAR),
     Rule("engram_gate_weights", _L + r"\.engram\.(?:q_weight|k_weight)", PLAIN),
-    Rule("mtp", r"mtp\.\d+\.[A-Za-z0-9_.]+", MTP),
+    Rule("mtp_main_proj", _M + r"\.main_proj\.(?:weight|scale)", LINEAR),
+    Rule("mtp_norms", _M + r"\.(?:main_norm|norm)\.weight", PLAIN),
+    Rule("mtp_markov_head", _M + r"\.markov_head\.(?:embed|head)\.weight", PLAIN),
+    Rule("mtp_confidence_head", _M + r"\.confidence_head\.proj\.weight", HEAD),
     Rule("vision_patch_embed", r"vision\.patch_embed\.proj\.(?:weight|bias)", VISION),
     Rule("vision_norms", r"vision\.blocks\.\d+\.norm[12]\.weight", VISION),
     Rule("vision_attention", r"vision\.blocks\.\d+\.attn\.(?:wqkv|wo)\.(?:weight|bias)", VISION),
@@ -409,8 +414,6 @@ def plan_tensor(name: str, shape: tuple[int, ...], dtype: str, target_config) ->
     def drop(reason: str) -> TensorPlan:
         return TensorPlan(name, None, "drop", None, None, reason=reason)
 
-    if kind == MTP:
-        return drop("DSpark/MTP draft head (generation never calls it)")
     if kind == VISION:
         return keep() if vision_enabled(target_config) else drop("vision weights of a text-only target")
     if kind in (PLAIN, ENGRAM_TABLE):

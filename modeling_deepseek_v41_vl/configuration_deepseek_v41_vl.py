@@ -287,7 +287,8 @@ class DeepseekV41TextConfig(PretrainedConfig):
         candidate_topk_blocks, candidate_block_size (`int`): two-level candidate selection.
         hc_mult, hc_sinkhorn_iters, hc_eps: mHC.
         engram_*: Engram n-gram memory; `engram_pad_token_id` is the reference `engram_pad_id`.
-        dspark_*: the DSpark/MTP draft head (weights are skipped; kept for round trips).
+        dspark_*: the DSpark draft head (``mtp.*``, `dspark_deepseek_v41_vl.py`): built when
+            ``dspark_block_size`` > 0, with ``num_nextn_predict_layers`` blocks.
         numerics (`str`): ``"fast"`` (default) or ``"exact"`` (every rounding point of the reference).
         weight_dtype (`str`): storage of the quantizable linears (`ModelArgs.dtype`): ``"fp8"``
             (e4m3 + e8m0 32x32 block scales, the release) or ``"bf16"``. The composite config

@@ -184,6 +184,9 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
                 if engram_hash_ids is None:
                     raise DeepseekV41ModelError(f"layer {self.layer_idx} runs Engram and needs engram_hash_ids")
                 hidden_states = self.engram(hidden_states, engram_hash_ids[:, :, self.engram.hash_index], engram_mask)
+            taps = attention_state.hidden_taps
+            if taps is not None and self.layer_idx in taps:
+                taps[self.layer_idx] = hidden_states.mean(dim=2)  # the draft head's main_hidden part
             return self.block(hidden_states, pre_mix_in, attention_state, image_mask)
 
     def block(

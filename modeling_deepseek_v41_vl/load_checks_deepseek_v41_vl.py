@@ -279,6 +279,34 @@ def refuse_a_half_loaded_pair(model: nn.Module, info: dict, path) -> None:
         )
 
 
+def settle_draft_head(model: nn.Module, path) -> None:
+    """After loading: a checkpoint with no ``mtp.*`` tensor (a folder converted before the draft
+    head was kept, or saved without it) gives a model without a draft head (``model.model.mtp``
+    None: it loads as such a folder always did, and drafting is refused by name); one with part of
+    them is refused. Missing ``mtp.*`` names are not reported by transformers
+    (`_keys_to_ignore_on_load_missing`): what the checkpoint filled is read from transformers'
+    loaded mark (`_is_hf_initialized`) on each parameter.
+
+    Raises:
+        DeepseekV41ModelError: the checkpoint holds some of the draft head's tensors but not all,
+            naming a few it lacks.
+    """
+    blocks = model.model.mtp
+    if blocks is None:
+        return
+    lacking = [name for name, param in blocks.named_parameters() if not getattr(param, "_is_hf_initialized", False)]
+    if not lacking:
+        return
+    if len(lacking) == sum(1 for _ in blocks.parameters()):
+        model.model.mtp = None
+        return
+    raise DeepseekV41ModelError(
+        f"{_checkpoint(path)} holds only part of the draft head: {len(lacking)} mtp.* tensors are missing "
+        f"(model.mtp.{', model.mtp.'.join(lacking[:3])}{', ...' if len(lacking) > 3 else ''}). Convert the "
+        "official checkpoint again, or leave out every mtp.* tensor to load the model without a draft head"
+    )
+
+
 __all__ = [
     "E8M0_FIRST_REFUSED",
     "NONFINITE_CODES",
@@ -289,4 +317,5 @@ __all__ = [
     "refuse_a_half_loaded_pair",
     "refuse_a_made_up_token_map",
     "refuse_a_random_vision_tower",
+    "settle_draft_head",
 ]

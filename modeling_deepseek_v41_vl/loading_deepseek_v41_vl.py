@@ -49,7 +49,7 @@ from .engram_deepseek_v41_vl import DeepseekV41EngramEmbedding, DeepseekV41Engra
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from .load_checks_deepseek_v41_vl import (
     check_finite_weights, missing_token_map, refuse_a_half_loaded_pair, refuse_a_made_up_token_map,
-    refuse_a_random_vision_tower,
+    refuse_a_random_vision_tower, settle_draft_head,
 )
 from .official_layout_deepseek_v41_vl import load_official_layout, official_layout_index
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
@@ -445,7 +445,7 @@ def device_map_with_engram_tables(device_map, engram_device: str, model: nn.Modu
 # --------------------------------------------------------------------------------------------
 
 # Routed experts stored as packed fp4: I8 ``[out, in/2]`` on disk, float4_e2m1fn_x2 in the module.
-_FP4_EXPERT_WEIGHT = r"layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$"
+_FP4_EXPERT_WEIGHT = r"(?:layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$"
 
 
 @contextlib.contextmanager
@@ -637,6 +637,7 @@ class DeepseekV41LoadingMixin:
             refuse_a_random_vision_tower(model, info, path)
             refuse_a_half_loaded_pair(model, info, path)
             refuse_a_made_up_token_map(model, info, path)
+            settle_draft_head(model, path)
             if missing_token_map(model, info) is not None:
                 _install_stand_in_token_map(model)  # every Engram table is random too
         if check_finite:

@@ -50,6 +50,7 @@ from .cache_deepseek_v41_vl import DeepseekV41AttentionCache, DeepseekV41Cache
 from .configuration_deepseek_v41_vl import DeepseekV41Config
 from .decode_step_deepseek_v41_vl import DeepseekV41DecodeRunner, check_step_inputs
 from .decoder_layer_deepseek_v41_vl import DeepseekV41DecoderLayer
+from .dspark_deepseek_v41_vl import DeepseekV41DraftMixin, draft_blocks, main_hidden_taps
 from .engram_deepseek_v41_vl import DeepseekV41Engram, DeepseekV41EngramEmbedding, DeepseekV41EngramHash
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from .conversation_deepseek_v41_vl import continuation_images, count_images
@@ -68,16 +69,13 @@ from .quantization_deepseek_v41_vl import DeepseekV41Linear, init_quantized_stor
 from .vision_deepseek_v41_vl import DeepseekV41VisionAligner, DeepseekV41VisionTransformer
 
 
-def _fp32_parameter_names(module: nn.Module) -> list[str]:
-    return [name for name, param in module.named_parameters() if param.dtype == torch.float32]
-
-
-class DeepseekV41Transformer(nn.Module):
+class DeepseekV41Transformer(DeepseekV41DraftMixin, nn.Module):
     """The complete V4.1 VL network with the checkpoint's module names and no prefix.
 
-    Mirrors `inference/model.py: Transformer` (DSpark/MTP excluded: generation never calls it).
+    Mirrors `inference/model.py: Transformer`.
 
-    Submodules / parameters: `embed` (bf16 ``[V, D]``), `layers`, `norm`, `head` (fp32),
+    Submodules / parameters: `embed` (bf16 ``[V, D]``), `layers`, `norm`, `head` (fp32), `mtp` (the
+    DSpark draft blocks, `dspark_deepseek_v41_vl.py`; None without a draft head),
     `image_start` / `image_end` / `image_newline` (bf16 ``[D]``), `vision`, `aligner` (when the
     vision tower has layers), `engram_hash` (buffer `token_map`, when Engram layers exist).
 
@@ -97,6 +95,7 @@ class DeepseekV41Transformer(nn.Module):
         self.hc_mult = text.hc_mult
         self.embed = nn.Embedding(text.vocab_size, dim, dtype=torch.bfloat16)
         self.layers = nn.ModuleList(DeepseekV41DecoderLayer(text, i, numerics) for i in range(text.num_hidden_layers))
+        self.mtp = draft_blocks(text, numerics)  # None without a draft head
         self.norm = DeepseekV41RMSNorm(dim, text.rms_norm_eps, numerics)
         self.head = DeepseekV41Head(text.vocab_size, dim)
         self.hc = DeepseekV41HyperConnection(text.hc_mult, text.hc_sinkhorn_iters, text.hc_eps, text.rms_norm_eps, numerics)
@@ -231,6 +230,7 @@ class DeepseekV41Transformer(nn.Module):
         image_span_embeds: torch.Tensor | None = None,
         output_hidden_states: bool = False,
         row_lengths: list[int] | None = None,
+        output_main_hidden: bool = False,
     ) -> DeepseekV41TransformerOutput:
         """Prefill (cache empty), prefill chunk or one-token decode step. Mirrors `Transformer.forward`.
 
@@ -265,6 +265,7 @@ class DeepseekV41Transformer(nn.Module):
                 :class:`DeepseekV41TransformerOutput`; costs one ``hc_pre`` per block).
             row_lengths: without a cache, the right padding of `attention_mask` that the caller
                 read already (`right_padding_lengths`), so it is not read back twice; None: read here.
+            output_main_hidden: also return `main_hidden` for :meth:`draft` (layer by layer, not replayed).
 
         Returns:
             :class:`DeepseekV41TransformerOutput`.
@@ -288,7 +289,7 @@ class DeepseekV41Transformer(nn.Module):
             raise DeepseekV41ModelError(f"input_ids holds no token: shape {tuple(input_ids.shape)}")
         self._follow_config_numerics()
         if pixel_values is None and image_span_embeds is None \
-                and self.decode_runner.applies(self, cache, input_ids, output_hidden_states):
+                and self.decode_runner.applies(self, cache, input_ids, output_hidden_states or output_main_hidden):
             # `generate`'s own steps were checked at its entry and at the prefill: nothing to read back
             check_step_inputs(self, input_ids, mm_token_type_ids, attention_mask, cache, read_back=not self.decode_runner.trusted)
             logits, hidden = self.decode_runner.step(self, input_ids, cache)
@@ -333,8 +334,9 @@ class DeepseekV41Transformer(nn.Module):
         x = h.unsqueeze(2).repeat(1, 1, self.hc_mult, 1)
         pre_mix = identity_pre_mix(x, self.hc_mult)
         attention_cache = cache.attention if cache is not None else DeepseekV41AttentionCache()
+        taps = main_hidden_taps(self.text_config) if output_main_hidden else None
         state = DeepseekV41AttentionState(start_pos=start_pos, cache=attention_cache, pad_offsets=pad_offsets,
-                                          row_lengths=row_lengths)
+                                          row_lengths=row_lengths, hidden_taps=taps)
         collected = [h] if output_hidden_states else None
         for index, layer in enumerate(self.layers):
             x, pre_mix = layer(x, pre_mix, state, image_mask, hash_ids, engram_mask)
@@ -358,6 +360,7 @@ class DeepseekV41Transformer(nn.Module):
         return DeepseekV41TransformerOutput(
             logits=logits, cache=cache, last_hidden_state=hidden,
             hidden_states=None if collected is None else tuple(collected), image_outputs=image_outputs,
+            main_hidden=None if taps is None else torch.cat(list(taps.values()), -1),
         )
 
     def _image_positions(self, input_ids, mm_token_type_ids, pixel_values, image_grid_thw, image_span_embeds, output_hidden_states=False):
@@ -440,7 +443,8 @@ class DeepseekV41PreTrainedModel(DeepseekV41DtypeCastMixin, DeepseekV41LoadingMi
     # ViT blocks and decoder layers are GradientCheckpointingLayers (a decoder layer's replay first
     # restores the per-forward attention state it read)
     supports_gradient_checkpointing = True
-    _no_split_modules = ["DeepseekV41DecoderLayer", "DeepseekV41VisionBlock"]
+    _no_split_modules = ["DeepseekV41DecoderLayer", "DeepseekV41DSparkBlock", "DeepseekV41VisionBlock"]
+    _keys_to_ignore_on_load_missing = [r"^model\.mtp\."]  # a folder without a draft head: `settle_draft_head`
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = False
     _supports_flash_attn = False
@@ -451,7 +455,7 @@ class DeepseekV41PreTrainedModel(DeepseekV41DtypeCastMixin, DeepseekV41LoadingMi
 
     def _build_transformer(self, config: DeepseekV41Config) -> None:
         self.model = DeepseekV41Transformer(config)
-        self._keep_in_fp32_modules = [f"model.{name}" for name in _fp32_parameter_names(self.model)]
+        self._keep_in_fp32_modules = [f"model.{n}" for n, p in self.model.named_parameters() if p.dtype == torch.float32]
 
     def _suppress_image_token(self) -> None:
         generation_config = getattr(self, "generation_config", None)

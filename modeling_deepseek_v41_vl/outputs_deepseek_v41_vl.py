@@ -37,6 +37,9 @@ class DeepseekV41TransformerOutput(ModelOutput):
         image_outputs: the :func:`image_encoder_output` of the images this forward encoded from
             `pixel_values` (with the vision tower's hidden states under `output_hidden_states`),
             None when it encoded none.
+        main_hidden: with `output_main_hidden`, bf16 ``[B, S, T*D]``: for each of the draft head's
+            T target layers (``dspark_target_layer_ids``, in order), the mean over the mHC copies
+            of its input after its Engram, concatenated (what `draft` reads).
     """
 
     logits: torch.Tensor | None = None
@@ -44,6 +47,7 @@ class DeepseekV41TransformerOutput(ModelOutput):
     last_hidden_state: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     image_outputs: BaseModelOutputWithPooling | None = None
+    main_hidden: torch.Tensor | None = None
 
 
 def image_encoder_output(

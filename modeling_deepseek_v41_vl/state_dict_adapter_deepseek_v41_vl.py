@@ -12,13 +12,14 @@ What it does to one official tensor (the rules are the name table of `checkpoint
 - target name: ``model.`` + official name (``layers.3.ffn.gate.bias_vl`` ->
   ``model.layers.3.ffn.gate.bias_vl``);
 - routed-expert I8 ``[out, in/2]`` -> viewed as ``float4_e2m1fn_x2`` (even element in the low nibble);
-- ``head.weight`` and ratio > 1 ``compressor.{wkv,wgate}.weight``: BF16 -> float32;
+- ``head.weight``, ratio > 1 ``compressor.{wkv,wgate}.weight`` and the draft head's
+  ``confidence_head.proj.weight``: BF16 -> float32;
 - ``attn.wo_a.weight`` (F8_E4M3) with ``attn.wo_a.scale`` (F8_E8M0, 32x32 blocks) -> bfloat16
   ``weight.float() * scale`` (exact, power-of-two scales); the scale itself is dropped;
 - with a target ``text_config.weight_dtype`` / ``expert_weight_dtype`` of ``"bf16"``, every fp8
   linear / fp4 expert is dequantized the same way (its scale dropped);
-- ``mtp.*`` (DSpark/MTP) and, for a text-only target, ``vision.*``, ``aligner.*`` and
-  ``image_{start,end,newline}`` are dropped (None);
+- for a text-only target, ``vision.*``, ``aligner.*`` and ``image_{start,end,newline}`` are
+  dropped (None);
 - everything else is returned as stored (Engram tables stay fp8 + e8m0).
 
 The Engram token map (``model.engram_hash.token_map``) is not an official tensor; the converter
@@ -93,7 +94,7 @@ def convert_tensor(
 
     Returns:
         ``(target name, module tensor)``, or None when the tensor is not part of the model
-        (a folded scale, ``mtp.*``, vision weights of a text-only target).
+        (a folded scale, vision weights of a text-only target).
 
     Raises:
         DeepseekV41ConversionError: not an official name, an unsupported stored dtype, or a

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from deepseek_v41_vl.cli import main
 from deepseek_v41_vl.conversion import convert as convert_module
@@ -41,6 +41,7 @@ from deepseek_v41_vl.conversion.convert import convert_checkpoint, target_config
 from deepseek_v41_vl.modeling.state_dict_adapter_deepseek_v41_vl import convert_state_dict, convert_tensor
 from deepseek_v41_vl.conversion.make_tiny import make_tiny, tiny_reference_args, write_official_checkpoint
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
+from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41ModelError
 
 from golden_models import run_inputs
 from golden_bits import CHAIN_REL_L2, assert_golden
@@ -225,7 +226,10 @@ def test_plans_of_the_released_checkpoint():
     assert plan("layers.20.attn.compressor.wkv.weight", keep) == ("copy", "BF16", (512, 5120))
     assert plan("layers.5.ffn.experts.3.w2.weight", keep) == ("copy", "I8", (5120, 1152))
     assert plan("layers.1.engram.embed.weight", keep) == ("copy", "F8_E4M3", (384006168, 256))
-    assert plan("mtp.0.main_proj.weight", keep)[0] == "drop"
+    assert plan("mtp.0.main_proj.weight", keep) == ("copy", "F8_E4M3", (5120, 15360))
+    assert plan("mtp.1.ffn.experts.3.w2.weight", keep) == ("copy", "I8", (5120, 1152))
+    assert plan("mtp.2.confidence_head.proj.weight", keep) == ("to_fp32", "F32", (1, 5376))
+    assert plan("mtp.2.markov_head.head.weight", keep) == ("copy", "F32", (129280, 256))
     bf16 = target_config(source, "bf16", False)
     assert plan("layers.5.ffn.experts.3.w2.weight", bf16) == ("dequant_fp4", "BF16", (5120, 2304))
     assert plan("layers.5.ffn.experts.3.w2.scale", bf16)[0] == "drop"
@@ -352,15 +356,54 @@ def test_multi_shard_output_with_index(sources, tmp_path):
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in _read_all(dst).values())
 
 
-def test_mtp_weights_are_dropped_with_a_note(golden, tmp_path):
-    src = make_tiny(tmp_path / "src", seed=2, variant="fp8", mtp=True)
-    assert any(n.startswith("mtp.0.") for n in json.loads((src / "model.safetensors.index.json").read_text())["weight_map"])
-    summary = convert_checkpoint(src, tmp_path / "dst", verify=True, progress=False)
-    assert summary.dropped["DSpark/MTP draft head (generation never calls it)"] == sum(
-        1 for n in official_inventory(DeepseekV41Config.from_reference_args(tiny_reference_args("fp8", mtp=True))) if n.startswith("mtp.")
-    )
-    assert "DSpark/MTP" in summary.format()
-    assert not any(n.startswith("model.mtp.") for n in _read_all(tmp_path / "dst"))
+@pytest.mark.usefixtures("one_torch_thread")
+def test_mtp_weights_are_kept_and_the_converted_folder_drafts_like_the_reference(golden, tmp_path):
+    """The DSpark draft head (``mtp.*``) is converted with the rest; the folder loads through the
+    auto class with its draft head, whose first draft of the text run equals the reference's."""
+    from transformers import AutoModelForImageTextToText
+
+    from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
+
+    src = golden / "model_tiny_dspark"
+    convert_checkpoint(src, tmp_path / "dst", verify=True, progress=False)
+    official = json.loads((src / "meta.json").read_text())["checkpoint"]["inventory"]
+    # every mtp.* tensor but the wo_a scales (folded into the bf16 wo_a, as the backbone's)
+    n_mtp = sum(1 for name, _, _ in official if name.startswith("mtp.") and not name.endswith("wo_a.scale"))
+    assert n_mtp > 150 and sum(1 for n in _read_all(tmp_path / "dst") if n.startswith("model.mtp.")) == n_mtp
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "dst", numerics="exact").model
+    want = load_file(src / "text.safetensors")
+    cache = DeepseekV41Cache(model.config)
+    with torch.no_grad():
+        out = model(want["input_ids"], cache=cache, output_main_hidden=True)
+        rings = model.draft_cache(2)
+        model.draft(out.logits[:, -1].argmax(-1), out.main_hidden, 0, rings)
+        out = model(want["step.0.input_token"].view(-1, 1), cache=cache, output_main_hidden=True)
+        ids, logits, confidence = model.draft(out.logits[:, -1].argmax(-1), out.main_hidden, want["input_ids"].size(1), rings)
+    assert_golden(ids, want["step.0.draft_ids"], "step.0.draft_ids")
+    assert_golden(logits, want["step.0.draft_logits"], "step.0.draft_logits")
+    assert_golden(confidence, want["step.0.confidence"], "step.0.confidence")
+
+
+def test_a_folder_without_the_draft_head_loads_as_before_and_refuses_to_draft(golden, tmp_path, caplog):
+    """A converted folder whose config enables DSpark but that holds no ``mtp.*`` tensor (converted
+    before they were kept) loads without a draft head and without a missing-weight report; one
+    holding part of them is refused."""
+    from transformers import AutoModelForImageTextToText
+
+    dst = tmp_path / "dst"
+    convert_checkpoint(golden / "model_tiny_dspark", dst, progress=False)
+    tensors = _read_all(dst)
+    for f in dst.glob("*.safetensors*"):
+        f.unlink()
+    save_file({n: t for n, t in tensors.items() if not n.startswith("model.mtp.")}, dst / "model.safetensors")
+    model, info = AutoModelForImageTextToText.from_pretrained(dst, numerics="exact", output_loading_info=True)
+    assert model.model.mtp is None and not info["missing_keys"]
+    assert "mtp" not in caplog.text
+    with pytest.raises(DeepseekV41ModelError, match="no draft head"):
+        model.model.draft_cache(1)
+    save_file({n: t for n, t in tensors.items() if not n.startswith("model.mtp.2.")}, dst / "model.safetensors")
+    with pytest.raises(DeepseekV41ModelError, match="only part of the draft head"):
+        AutoModelForImageTextToText.from_pretrained(dst, numerics="exact")
 
 
 # --------------------------------------------------------------------------------------------

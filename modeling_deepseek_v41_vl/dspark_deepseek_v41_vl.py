@@ -1,0 +1,303 @@
+"""The DSpark draft head of DeepSeek-V4.1 (checkpoint ``mtp.*``): the blocks that propose the next
+tokens of a step from the backbone's hidden states.
+
+Mirrors `inference/model.py`: `DSparkBlock`, `DSparkAttention`, `get_dspark_topk_idxs`,
+`DSparkMarkovHead`, `DSparkConfidenceHead` and `Transformer.forward_spec`.
+
+Dataflow of a decode step at position p (after the backbone's forward of the token at p)::
+
+    main_hidden [B, 1, T*D] (mean of the mHC copies at the input of each target layer, after its
+    Engram; `DeepseekV41Transformer.forward(..., output_main_hidden=True)`)
+        ─ main_proj ─ main_norm ─► main_x [B, 1, D]
+    block tokens [next token, noise x (bs - 1)] at positions p+1 .. p+bs
+        ─ embed ─ hc copies ─ block 0 .. n-1 ─► hc_pre ─ norm ─ head (+ Markov bias) ─► drafts
+
+Each block is a backbone block (mHC mixes, attention, MoE with the draft head's expert counts,
+text routing bias only, no Engram) whose attention is window-only with its own ring of W rows:
+a step writes the ring slot ``p % W`` with ``kv_norm(wkv(main_x))`` (RoPE at p, fp8 fake-quant),
+and every block query attends to the ring slots holding positions <= p, in slot order, and to
+the whole block (not causal inside it). The block's own keys are not kept. A prefill only seeds
+the rings from the prompt's main_x and drafts nothing.
+
+The head: ``logits = head(norm(x))`` fp32 ``[B, bs, V]`` for all block positions, then, one
+position after the other, the Markov bias ``markov_head.head(markov_head.embed(token_i))`` of the
+token drafted last is added in place and the argmax is the next draft. The confidence is one fp32
+linear over ``[x, markov embeddings]`` (x before the norm), no activation.
+
+`embed` and `head` are the backbone's (the checkpoint does not store them under ``mtp.*``): the
+functions here take them as arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .decoder_layer_deepseek_v41_vl import DeepseekV41DecoderLayer
+from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
+from .hyper_connection_deepseek_v41_vl import identity_pre_mix
+from .layers_deepseek_v41_vl import DeepseekV41Head, DeepseekV41RMSNorm
+from .numerics_deepseek_v41_vl import DeepseekV41Numerics
+from .quantization_deepseek_v41_vl import DeepseekV41Linear
+
+
+def draft_stage_count(config) -> int:
+    """Draft blocks the model builds: `num_nextn_predict_layers` when `dspark_block_size` > 0
+    (`ModelArgs`: the reference builds `mtp` only then)."""
+    return config.num_nextn_predict_layers if config.dspark_block_size else 0
+
+
+def draft_blocks(config, numerics: DeepseekV41Numerics | str | None = None) -> nn.ModuleList | None:
+    """The draft blocks `mtp` of a model built from text config `config` (None without a draft
+    head)."""
+    stages = draft_stage_count(config)
+    return nn.ModuleList(DeepseekV41DSparkBlock(config, j, numerics) for j in range(stages)) if stages else None
+
+
+def main_hidden_taps(config) -> dict[int, torch.Tensor | None]:
+    """An empty `DeepseekV41AttentionState.hidden_taps` for the draft head's target layers, in the
+    order their means are concatenated into `main_hidden` (``dspark_target_layer_ids``)."""
+    return dict.fromkeys(config.dspark_target_layer_ids)
+
+
+def dspark_window_idxs(window: int, batch: int, block_size: int, start_pos: int, device) -> torch.Tensor:
+    """The kv rows every query of a draft block reads, int32 ``[B, block_size, n]``: the ring slots
+    ``0 .. min(window, start_pos + 1) - 1`` in slot order, then the block's rows
+    ``window .. window + block_size - 1`` (kv = ring followed by the block). Mirrors
+    `get_dspark_topk_idxs`."""
+    seen = min(window, start_pos + 1)
+    row = torch.cat([torch.arange(seen, device=device), torch.arange(window, window + block_size, device=device)])
+    return row.to(torch.int32).expand(batch, block_size, -1).contiguous()
+
+
+class DeepseekV41MarkovHead(nn.Module):
+    """The draft head's bigram bias: ``head(embed(token))`` fp32 ``[.., V]`` added to the logits
+    of the position after `token`. Parameters: `embed` (bf16 ``[V, R]``), `head.weight` (fp32
+    ``[V, R]``). Mirrors `DSparkMarkovHead`."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, rank, dtype=torch.bfloat16)
+        self.head = DeepseekV41Head(vocab_size, rank)
+
+
+class DeepseekV41ConfidenceHead(nn.Module):
+    """How much a draft position is trusted: ``proj([x, markov embedding])`` in fp32, one score
+    per position, no activation. Parameter: `proj.weight` fp32 ``[1, D + R]`` (stored bf16).
+    Mirrors `DSparkConfidenceHead`."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.proj = nn.Linear(width, 1, bias=False, dtype=torch.float32)
+
+    def forward(self, hidden: torch.Tensor, markov_embeds: torch.Tensor) -> torch.Tensor:
+        """hidden bf16 ``[B, bs, D]``, markov_embeds bf16 ``[B, bs, R]`` -> fp32 ``[B, bs]``."""
+        return self.proj(torch.cat([hidden, markov_embeds], dim=-1).float()).squeeze(-1)
+
+
+class DeepseekV41DSparkBlock(DeepseekV41DecoderLayer):
+    """One draft block, ``mtp.{stage}``: a backbone block (layer id `num_hidden_layers` + stage,
+    window-only attention, the draft head's routed experts, no Engram) with the stage's extras:
+    stage 0 `main_proj` (``[D, T*D]``, the backbone's linear storage) and `main_norm`; the last
+    stage `norm`, `markov_head` and `confidence_head`. Mirrors `DSparkBlock`."""
+
+    def __init__(self, config, stage: int, numerics: DeepseekV41Numerics | str | None = None):
+        super().__init__(config, config.num_hidden_layers + stage, numerics)
+        numerics = self.attn.numerics
+        self.stage = stage
+        dim, eps = config.hidden_size, config.rms_norm_eps
+        if stage == 0:
+            width = dim * len(config.dspark_target_layer_ids)
+            self.main_proj = DeepseekV41Linear(width, dim, config.weight_dtype, numerics)
+            self.main_norm = DeepseekV41RMSNorm(dim, eps, numerics)
+        if stage == draft_stage_count(config) - 1:
+            self.norm = DeepseekV41RMSNorm(dim, eps, numerics)
+            self.markov_head = DeepseekV41MarkovHead(config.vocab_size, config.dspark_markov_rank)
+            self.confidence_head = DeepseekV41ConfidenceHead(dim + config.dspark_markov_rank)
+
+    def main_kv(self, main_x: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """The ring rows of `main_x` ``[B, S, D]`` at positions start_pos .. start_pos + S - 1:
+        `wkv`, `kv_norm`, RoPE, fp8 fake-quant, bf16 ``[B, S, head_dim]``."""
+        positions = torch.arange(start_pos, start_pos + main_x.size(1), device=main_x.device)
+        return self.attn.window_kv_rows(main_x, self.attn.rotary(positions))
+
+    def seed(self, main_x: torch.Tensor, ring: torch.Tensor) -> None:
+        """A prefill's part: write the prompt's last `window` rows of main_x into `ring`
+        ``[B, W, head_dim]`` (position t in slot t % W)."""
+        kv = self.main_kv(main_x, 0)
+        seqlen, window = kv.size(1), ring.size(1)
+        keep = min(seqlen, window)
+        slots = torch.arange(seqlen - keep, seqlen, device=kv.device) % window
+        ring[:, slots] = kv[:, seqlen - keep :]
+
+    def draft(
+        self, x: torch.Tensor, pre_mix: torch.Tensor, main_x: torch.Tensor, start_pos: int, ring: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block on the draft tokens of a step at `start_pos` (> 0): x bf16 ``[B, bs, hc, D]``,
+        pre_mix fp32 ``[B, bs, hc]``, main_x ``[B, 1, D]``; writes ring slot ``start_pos % W``.
+        Returns ``(x, f_pre)`` as a backbone block does (`Block.forward`, text routing)."""
+        hc = self.hc
+        attn_pre, attn_post, attn_comb = hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        f = self._attention(hc.pre_norm(x, pre_mix, self.attn_norm), main_x, start_pos, ring)
+        return self._ffn_half(f, x, attn_pre, attn_post, attn_comb)
+
+    def _attention(self, x: torch.Tensor, main_x: torch.Tensor, start_pos: int, ring: torch.Tensor) -> torch.Tensor:
+        # `DSparkAttention.forward` after position 0: x bf16 [B, bs, D] (the attn_norm output)
+        attn = self.attn
+        bsz, block_size, _ = x.shape
+        ring[:, start_pos % ring.size(1)] = self.main_kv(main_x, start_pos)[:, 0]
+        freqs = attn.rotary(torch.arange(start_pos + 1, start_pos + 1 + block_size, device=x.device))
+        q = attn.queries(attn.q_norm(attn.wq_a(x)), freqs)
+        kv = torch.cat([ring, attn.window_kv_rows(x, freqs)], dim=1)
+        idxs = dspark_window_idxs(ring.size(1), bsz, block_size, start_pos, x.device)
+        return attn.output(attn._sparse(q, kv, idxs), freqs)
+
+    def propose(
+        self, x: torch.Tensor, pre_mix: torch.Tensor, token_ids: torch.Tensor, head: DeepseekV41Head
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The last block's head (`DSparkBlock.forward_head`), greedy.
+
+        Args:
+            x: bf16 ``[B, bs, hc, D]``, pre_mix fp32 ``[B, bs, hc]``: the last block's outputs.
+            token_ids: int64 ``[B]``, the backbone's next token (the block's first token).
+            head: the backbone's head (fp32 ``[V, D]``).
+
+        Returns:
+            ``(draft_ids int64 [B, bs + 1], draft_logits fp32 [B, bs, V], confidence fp32 [B, bs])``;
+            ``draft_ids[:, 0]`` is `token_ids`, ``draft_ids[:, i + 1]`` the argmax of
+            ``draft_logits[:, i]`` (the head's logits plus the Markov bias of ``draft_ids[:, i]``).
+        """
+        hidden = self.hc.pre(x, pre_mix)
+        logits = head(self.norm(hidden))
+        block_size = logits.size(1)
+        ids = token_ids.new_empty(token_ids.size(0), block_size + 1)
+        ids[:, 0] = token_ids
+        embeds = []
+        for i in range(block_size):
+            embeds.append(self.markov_head.embed(ids[:, i]))
+            logits[:, i].add_(self.markov_head.head(embeds[-1]))
+            ids[:, i + 1] = logits[:, i].argmax(-1)
+        return ids, logits, self.confidence_head(hidden, torch.stack(embeds, dim=1))
+
+
+class DeepseekV41DraftCache:
+    """The draft blocks' window rings, one bf16 ``[B, W, head_dim]`` per block, zero until seeded
+    by a prefill's :func:`draft_step` (start_pos 0)."""
+
+    def __init__(self, blocks: nn.ModuleList, batch_size: int, device=None):
+        self.rings = [
+            torch.zeros(batch_size, block.attn.window, block.attn.head_dim, dtype=torch.bfloat16, device=device)
+            for block in blocks
+        ]
+
+
+def draft_step(
+    blocks: nn.ModuleList,
+    embed: nn.Embedding,
+    head: DeepseekV41Head,
+    config,
+    token_ids: torch.Tensor,
+    main_hidden: torch.Tensor,
+    start_pos: int,
+    cache: DeepseekV41DraftCache,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """One call of the draft head after a backbone forward. Mirrors `Transformer.forward_spec`.
+
+    Args:
+        blocks: the draft blocks (`mtp`); embed, head: the backbone's.
+        config: the text config (`dspark_block_size`, `dspark_noise_token_id`, `hc_mult`).
+        token_ids: int64 ``[B]``, the backbone's next token (sampled from its last logits).
+        main_hidden: bf16 ``[B, S, T*D]`` of that forward (S = prompt length at the prefill, 1 at
+            a decode step).
+        start_pos: the forward's first position: 0 seeds the rings and drafts nothing; p > 0
+            drafts positions p + 2 .. p + bs + 1.
+        cache: the rings, written in place.
+
+    Returns:
+        None for a prefill, else `DeepseekV41DSparkBlock.propose`'s triple.
+
+    Raises:
+        DeepseekV41ModelError: a decode step (S != 1) of more than one token, or shapes that do
+            not fit.
+    """
+    first, last = blocks[0], blocks[-1]
+    if token_ids.dim() != 1 or main_hidden.dim() != 3 or main_hidden.size(0) != token_ids.size(0):
+        raise DeepseekV41ModelError(
+            f"draft_step takes token_ids [B] and main_hidden [B, S, T*D], got {tuple(token_ids.shape)} and "
+            f"{tuple(main_hidden.shape)}"
+        )
+    if start_pos > 0 and main_hidden.size(1) != 1:
+        raise DeepseekV41ModelError(f"a draft step after position 0 takes one token's main_hidden, got {main_hidden.size(1)}")
+    main_x = first.main_norm(first.main_proj(main_hidden))
+    if start_pos == 0:
+        for block, ring in zip(blocks, cache.rings):
+            block.seed(main_x, ring)
+        return None
+    block_size = config.dspark_block_size
+    ids = torch.full((token_ids.size(0), block_size), config.dspark_noise_token_id, dtype=torch.long, device=token_ids.device)
+    ids[:, 0] = token_ids
+    x = embed(ids).unsqueeze(2).repeat(1, 1, config.hc_mult, 1)
+    pre_mix = identity_pre_mix(x, config.hc_mult)
+    for block, ring in zip(blocks, cache.rings):
+        x, pre_mix = block.draft(x, pre_mix, main_x, start_pos, ring)
+    return last.propose(x, pre_mix, token_ids, head)
+
+
+class DeepseekV41DraftMixin:
+    """The draft head's entry points on `DeepseekV41Transformer` (its `mtp`, `embed`, `head`,
+    `text_config`)."""
+
+    def draft_cache(self, batch_size: int) -> DeepseekV41DraftCache:
+        """Empty rings for :meth:`draft` (one per draft block) on the model's device.
+
+        Raises:
+            DeepseekV41ModelError: the model has no draft head.
+        """
+        self._check_draft_head()
+        return DeepseekV41DraftCache(self.mtp, batch_size, self.embed.weight.device)
+
+    def draft(
+        self, token_ids: torch.Tensor, main_hidden: torch.Tensor, start_pos: int, cache: DeepseekV41DraftCache
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The draft head (DSpark, ``mtp.*``) after a forward with ``output_main_hidden=True``:
+        `dspark_deepseek_v41_vl.draft_step` with this model's blocks, embedding and head. Mirrors
+        `Transformer.forward_spec`.
+
+        Args:
+            token_ids: int64 ``[B]``, the token the forward's last logits chose.
+            main_hidden: that forward's `main_hidden`, bf16 ``[B, S, T*D]``.
+            start_pos: that forward's first position (0: a prefill, which seeds `cache` and
+                returns None).
+            cache: from :meth:`draft_cache`, written in place.
+
+        Returns:
+            None after a prefill; after a decode step ``(draft_ids int64 [B, bs + 1], draft_logits
+            fp32 [B, bs, V], confidence fp32 [B, bs])``, greedy (see `DeepseekV41DSparkBlock.propose`).
+
+        Raises:
+            DeepseekV41ModelError: the model has no draft head (a folder converted without
+                ``mtp.*``, or ``dspark_block_size`` 0), or inputs that do not fit.
+        """
+        self._check_draft_head()
+        return draft_step(self.mtp, self.embed, self.head, self.text_config, token_ids, main_hidden, start_pos, cache)
+
+    def _check_draft_head(self) -> None:
+        if self.mtp is None:
+            raise DeepseekV41ModelError(
+                "this model has no draft head: its checkpoint holds no mtp.* weights (convert the official "
+                "checkpoint again to keep them) or its config sets dspark_block_size = 0"
+            )
+
+
+__all__ = [
+    "DeepseekV41ConfidenceHead",
+    "DeepseekV41DSparkBlock",
+    "DeepseekV41DraftCache",
+    "DeepseekV41DraftMixin",
+    "DeepseekV41MarkovHead",
+    "draft_blocks",
+    "draft_stage_count",
+    "draft_step",
+    "dspark_window_idxs",
+    "main_hidden_taps",
+]
