@@ -164,6 +164,7 @@ class DeepseekV41DecodeStep:
         engram_hash_ids: the step's Engram hash ids ``[B, 1, n_engram_layers, cols]`` or None.
         topk_idxs, candidate_blocks: the hand-downs of the index sources and the candidate source
             within the step (`inference/model.py: SharedAttentionRuntime`).
+        hidden_taps: as `DeepseekV41AttentionState.hidden_taps` (the draft head's `main_hidden`).
     """
 
     cache: DeepseekV41AttentionCache
@@ -176,6 +177,7 @@ class DeepseekV41DecodeStep:
     engram_hash_ids: torch.Tensor | None = None
     topk_idxs: dict[int, torch.Tensor] = field(default_factory=dict)
     candidate_blocks: torch.Tensor | None = None
+    hidden_taps: dict[int, torch.Tensor | None] | None = None
     _tables: dict = field(default_factory=dict, repr=False)
 
     def width(self, ratio: int) -> int:

@@ -96,7 +96,7 @@ def _linear(inv: Inventory, name: str, out: int, inp: int, storage: str) -> None
 
 
 def _text(config) -> Any:
-    return config.text_config
+    return getattr(config, "text_config", config)  # a composite config, or its text config
 
 
 def vision_enabled(config) -> bool:

@@ -453,6 +453,27 @@ class DeepseekV41TextConfig(PretrainedConfig):
         )
         self.validate_layout()
 
+    def _validate_draft_head(self) -> None:
+        # the DSpark blocks `dspark_deepseek_v41_vl` builds (`DSparkBlock`, `forward_spec`)
+        if self.dspark_block_size < 0:
+            raise DeepseekV41ConfigError(f"dspark_block_size must be >= 0 (0: no draft head), got {self.dspark_block_size}")
+        if not self.dspark_target_layer_ids:
+            raise DeepseekV41ConfigError(
+                "a draft head (dspark_block_size > 0) needs dspark_target_layer_ids, the layers whose input it reads"
+            )
+        if len(set(self.dspark_target_layer_ids)) != len(self.dspark_target_layer_ids):
+            raise DeepseekV41ConfigError(f"dspark_target_layer_ids repeats a layer: {self.dspark_target_layer_ids}")
+        for layer in self.dspark_target_layer_ids:
+            if not 0 <= layer < self.num_hidden_layers:
+                raise DeepseekV41ConfigError(f"dspark_target_layer_ids names layer {layer}, outside [0, {self.num_hidden_layers})")
+        if not 0 <= self.dspark_noise_token_id < self.vocab_size:
+            raise DeepseekV41ConfigError(
+                f"dspark_noise_token_id {self.dspark_noise_token_id} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        drafts = self.compress_ratios[self.num_hidden_layers :]
+        if any(drafts):
+            raise DeepseekV41ConfigError(f"the draft blocks' compress_ratios must be 0 (window-only), got {drafts}")
+
     # -- derived layer roles (`inference/model.py: Attention.__init__`, `Indexer.__init__`) --
     def validate_layout(self) -> None:
         """Raise :class:`DeepseekV41ConfigError` when the layer schedule is inconsistent."""
@@ -473,6 +494,8 @@ class DeepseekV41TextConfig(PretrainedConfig):
             for layer in getattr(self, name):
                 if not 0 <= layer < self.num_hidden_layers:
                     raise DeepseekV41ConfigError(f"{name} names layer {layer}, outside [0, {self.num_hidden_layers})")
+        if self.dspark_block_size and self.num_nextn_predict_layers:
+            self._validate_draft_head()
         for layer in self.kv_source_layer_ids:
             if self.compress_ratios[layer] == 0:
                 raise DeepseekV41ConfigError(f"kv source layer {layer} has compress ratio 0")

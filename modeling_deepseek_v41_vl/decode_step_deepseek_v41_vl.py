@@ -41,6 +41,7 @@ from .attention_deepseek_v41_vl import decode_rows
 from .attention_state_deepseek_v41_vl import DeepseekV41DecodeStep, check_mask_shape, check_same_padding, left_padding_offsets
 from .cache_deepseek_v41_vl import DeepseekV41Cache
 from .cuda_graphs_deepseek_v41_vl import GraphedSegment, graph_pool
+from .dspark_deepseek_v41_vl import main_hidden_taps
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from .hyper_connection_deepseek_v41_vl import identity_pre_mix
 
@@ -54,7 +55,8 @@ def decode_model_step(
     pads: torch.Tensor | None,
     publisher: torch.Tensor,
     history: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    main_hidden: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One decode step of the whole model (`DeepseekV41Transformer`), from device tensors only.
 
     Args:
@@ -67,15 +69,18 @@ def decode_model_step(
         pads: int64 ``[B]`` left padding of the rows, or None.
         publisher: int64 ``[B]``, each row's index-key publisher before the step (-1: none).
         history: int64 ``[B, max_ngram_size - 1]`` Engram history, or None without Engram layers.
+        main_hidden: also return the draft head's `main_hidden` (`DeepseekV41Transformer.draft`).
 
     Returns:
-        ``(logits fp32 [B, 1, V], hidden bf16 [B, 1, D], publisher [B], history)`` after the step.
+        ``(logits fp32 [B, 1, V], hidden bf16 [B, 1, D], publisher [B], history, main_hidden)`` after
+        the step; main_hidden bf16 ``[B, 1, T*D]``, or None when not asked.
 
     Mirrors `inference/model.py: Transformer.forward` with ``start_pos > 0``.
     """
     positions = column.expand(input_ids.size(0)).clone() if pads is None else column - pads
     step = DeepseekV41DecodeStep(
-        cache.attention, column, positions, publisher.clone(), widths, model.index_key_owners, pads
+        cache.attention, column, positions, publisher.clone(), widths, model.index_key_owners, pads,
+        hidden_taps=main_hidden_taps(model.text_config) if main_hidden else None,
     )
     if model.engram_hash is not None:
         step.engram_hash_ids, history = model.engram_hash(input_ids, history=history)
@@ -85,7 +90,8 @@ def decode_model_step(
     for layer in model.layers:
         x, pre_mix = layer.decode_step(x, pre_mix, step)
     hidden = model.norm(model.hc.pre(x, pre_mix))
-    return model.head(hidden[:, -1]).unsqueeze(1), hidden, step.publisher, history
+    taps = None if step.hidden_taps is None else torch.cat(list(step.hidden_taps.values()), -1)
+    return model.head(hidden[:, -1]).unsqueeze(1), hidden, step.publisher, history, taps
 
 
 def check_step_inputs(model, input_ids, mm_token_type_ids, attention_mask, cache: DeepseekV41Cache, read_back: bool) -> None:
@@ -119,8 +125,9 @@ def check_step_inputs(model, input_ids, mm_token_type_ids, attention_mask, cache
 
 
 def _captured_step(context: tuple, *args):
-    # the function a graph captures: `context` = (model, cache, widths), fixed for the graph
-    return decode_model_step(*context, *args)
+    # the function a graph captures: `context` = (model, cache, widths, main_hidden), fixed for the graph
+    *fixed, main_hidden = context
+    return decode_model_step(*fixed, *args, main_hidden=main_hidden)
 
 
 def _hooked(modules) -> bool:
@@ -264,7 +271,9 @@ class DeepseekV41DecodeRunner:
                     own.index_k.reserve(decode_rows(end))
         return widths
 
-    def step(self, model, input_ids: torch.Tensor, cache: DeepseekV41Cache) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(
+        self, model, input_ids: torch.Tensor, cache: DeepseekV41Cache, main_hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One decode step of every row of `cache` (filled by a prefill), with no host
         synchronisation: the step's function replayed from a CUDA graph where :meth:`_replays`
         allows, else run eagerly; then the host bookkeeping. The inputs are trusted (checked
@@ -273,9 +282,11 @@ class DeepseekV41DecodeRunner:
         Args:
             input_ids: int64 ``[B, 1]`` on the model's device.
             cache: the sequence's :class:`DeepseekV41Cache`.
+            main_hidden: also return the draft head's `main_hidden` (a graph of its own).
 
         Returns:
-            ``(logits fp32 [B, 1, V], last hidden state bf16 [B, 1, D])``.
+            ``(logits fp32 [B, 1, V], last hidden state bf16 [B, 1, D], main_hidden bf16 [B, 1, T*D]
+            or None)``.
         """
         attention = cache.attention
         batch, device = input_ids.size(0), input_ids.device
@@ -291,17 +302,17 @@ class DeepseekV41DecodeRunner:
             before = segment.captures
             key = (
                 tuple(sorted(widths.items())), model.numerics, model.decode_identity, model.weights_epoch,
-                _StructureVersion.value, attention.epoch.value,
+                _StructureVersion.value, attention.epoch.value, main_hidden,
             )
-            logits, hidden, publisher, history = segment(*args, key=key, context=(model, cache, widths))
+            logits, hidden, publisher, history, taps = segment(*args, key=key, context=(model, cache, widths, main_hidden))
             self.captures += segment.captures - before
         else:
-            logits, hidden, publisher, history = decode_model_step(model, cache, widths, *args)
+            logits, hidden, publisher, history, taps = decode_model_step(model, cache, widths, *args, main_hidden=main_hidden)
         self._commit(model, cache, start, publisher)
         if history is not None:
             cache.engram_history = history
         cache.record_tokens(1)
-        return logits, hidden
+        return logits, hidden, taps
 
     def _commit(self, model, cache: DeepseekV41Cache, start: int, publisher: torch.Tensor) -> None:
         """The host side of a step at column `start`: rows held by each compressed buffer and the

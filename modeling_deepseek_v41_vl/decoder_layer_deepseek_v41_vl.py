@@ -184,10 +184,14 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
                 if engram_hash_ids is None:
                     raise DeepseekV41ModelError(f"layer {self.layer_idx} runs Engram and needs engram_hash_ids")
                 hidden_states = self.engram(hidden_states, engram_hash_ids[:, :, self.engram.hash_index], engram_mask)
-            taps = attention_state.hidden_taps
-            if taps is not None and self.layer_idx in taps:
-                taps[self.layer_idx] = hidden_states.mean(dim=2)  # the draft head's main_hidden part
+            self._tap(attention_state.hidden_taps, hidden_states)
             return self.block(hidden_states, pre_mix_in, attention_state, image_mask)
+
+    def _tap(self, taps: dict | None, x: torch.Tensor) -> None:
+        # the draft head's part of `main_hidden`: the mean of the copies at this block's input,
+        # after its Engram (`Transformer.forward` collects it for `dspark_target_layer_ids`)
+        if taps is not None and self.layer_idx in taps:
+            taps[self.layer_idx] = x.mean(dim=2)
 
     def block(
         self,
@@ -229,6 +233,7 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         """
         if self.engram is not None:
             x = self.engram(x, step.engram_hash_ids[:, :, self.engram.hash_index])
+        self._tap(step.hidden_taps, x)
         hc = self.hc
         attn_pre, attn_post, attn_comb = hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         o = self.attn.decode_step(hc.pre_norm(x, pre_mix_in, self.attn_norm), step)

@@ -33,24 +33,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .checkpoint_names_deepseek_v41_vl import mtp_layer_count
 from .decoder_layer_deepseek_v41_vl import DeepseekV41DecoderLayer
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from .hyper_connection_deepseek_v41_vl import identity_pre_mix
-from .layers_deepseek_v41_vl import DeepseekV41Head, DeepseekV41RMSNorm
+from .layers_deepseek_v41_vl import DeepseekV41Head, DeepseekV41RMSNorm, on_device
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
-
-
-def draft_stage_count(config) -> int:
-    """Draft blocks the model builds: `num_nextn_predict_layers` when `dspark_block_size` > 0
-    (`ModelArgs`: the reference builds `mtp` only then)."""
-    return config.num_nextn_predict_layers if config.dspark_block_size else 0
 
 
 def draft_blocks(config, numerics: DeepseekV41Numerics | str | None = None) -> nn.ModuleList | None:
     """The draft blocks `mtp` of a model built from text config `config` (None without a draft
     head)."""
-    stages = draft_stage_count(config)
+    stages = mtp_layer_count(config)
     return nn.ModuleList(DeepseekV41DSparkBlock(config, j, numerics) for j in range(stages)) if stages else None
 
 
@@ -110,10 +105,17 @@ class DeepseekV41DSparkBlock(DeepseekV41DecoderLayer):
             width = dim * len(config.dspark_target_layer_ids)
             self.main_proj = DeepseekV41Linear(width, dim, config.weight_dtype, numerics)
             self.main_norm = DeepseekV41RMSNorm(dim, eps, numerics)
-        if stage == draft_stage_count(config) - 1:
+        if stage == mtp_layer_count(config) - 1:
             self.norm = DeepseekV41RMSNorm(dim, eps, numerics)
             self.markov_head = DeepseekV41MarkovHead(config.vocab_size, config.dspark_markov_rank)
             self.confidence_head = DeepseekV41ConfidenceHead(dim + config.dspark_markov_rank)
+
+    def forward(self, *args, **kwargs):
+        """Refused: a draft block runs through `draft_step` (`DeepseekV41Transformer.draft`), not as
+        a backbone block."""
+        raise DeepseekV41ModelError("a draft block (mtp.*) is not a backbone layer: call model.model.draft(...)")
+
+    decode_step = forward
 
     def main_kv(self, main_x: torch.Tensor, start_pos: int) -> torch.Tensor:
         """The ring rows of `main_x` ``[B, S, D]`` at positions start_pos .. start_pos + S - 1:
@@ -121,13 +123,13 @@ class DeepseekV41DSparkBlock(DeepseekV41DecoderLayer):
         positions = torch.arange(start_pos, start_pos + main_x.size(1), device=main_x.device)
         return self.attn.window_kv_rows(main_x, self.attn.rotary(positions))
 
-    def seed(self, main_x: torch.Tensor, ring: torch.Tensor) -> None:
-        """A prefill's part: write the prompt's last `window` rows of main_x into `ring`
-        ``[B, W, head_dim]`` (position t in slot t % W)."""
-        kv = self.main_kv(main_x, 0)
+    def seed(self, main_x: torch.Tensor, start_pos: int, ring: torch.Tensor) -> None:
+        """A prefill's (or prefill chunk's) part: write the last `window` rows of main_x, positions
+        start_pos .. start_pos + S - 1, into `ring` ``[B, W, head_dim]`` (position t in slot t % W)."""
+        kv = self.main_kv(main_x, start_pos).detach()  # the rings keep no autograd graph between steps
         seqlen, window = kv.size(1), ring.size(1)
         keep = min(seqlen, window)
-        slots = torch.arange(seqlen - keep, seqlen, device=kv.device) % window
+        slots = torch.arange(start_pos + seqlen - keep, start_pos + seqlen, device=kv.device) % window
         ring[:, slots] = kv[:, seqlen - keep :]
 
     def draft(
@@ -145,7 +147,7 @@ class DeepseekV41DSparkBlock(DeepseekV41DecoderLayer):
         # `DSparkAttention.forward` after position 0: x bf16 [B, bs, D] (the attn_norm output)
         attn = self.attn
         bsz, block_size, _ = x.shape
-        ring[:, start_pos % ring.size(1)] = self.main_kv(main_x, start_pos)[:, 0]
+        ring[:, start_pos % ring.size(1)] = self.main_kv(main_x, start_pos)[:, 0].detach()
         freqs = attn.rotary(torch.arange(start_pos + 1, start_pos + 1 + block_size, device=x.device))
         q = attn.queries(attn.q_norm(attn.wq_a(x)), freqs)
         kv = torch.cat([ring, attn.window_kv_rows(x, freqs)], dim=1)
@@ -182,11 +184,20 @@ class DeepseekV41DSparkBlock(DeepseekV41DecoderLayer):
 
 class DeepseekV41DraftCache:
     """The draft blocks' window rings, one bf16 ``[B, W, head_dim]`` per block, zero until seeded
-    by a prefill's :func:`draft_step` (start_pos 0)."""
+    by a prefill's :func:`draft_step` (start_pos 0), and the position the next call must start at
+    (`next_position`: None before the seeding; each call advances it past its positions).
 
-    def __init__(self, blocks: nn.ModuleList, batch_size: int, device=None):
-        self.rings = [
-            torch.zeros(batch_size, block.attn.window, block.attn.head_dim, dtype=torch.bfloat16, device=device)
+    Raises:
+        DeepseekV41ModelError: `batch_size` that is not an int >= 1.
+    """
+
+    def __init__(self, blocks: nn.ModuleList, batch_size: int):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise DeepseekV41ModelError(f"a draft cache holds batch_size >= 1 rows (an int), got {batch_size!r}")
+        self.batch_size = batch_size
+        self.next_position: int | None = None
+        self.rings = [  # each on its block's device
+            block.attn.wkv.weight.new_zeros(batch_size, block.attn.window, block.attn.head_dim, dtype=torch.bfloat16)
             for block in blocks
         ]
 
@@ -213,34 +224,68 @@ def draft_step(
             drafts positions p + 2 .. p + bs + 1.
         cache: the rings, written in place.
 
+    A forward of S > 1 tokens (a prefill chunk at `cache.next_position`) only seeds the rings, as
+    does the prefill at 0; a one-token forward after position 0 drafts. Rows are taken to start at
+    position 0: a left-padded row drafts with its pads in its window.
+
     Returns:
-        None for a prefill, else `DeepseekV41DSparkBlock.propose`'s triple.
+        None for a prefill (chunk), else `DeepseekV41DSparkBlock.propose`'s triple.
 
     Raises:
-        DeepseekV41ModelError: a decode step (S != 1) of more than one token, or shapes that do
-            not fit.
+        DeepseekV41ModelError: `main_hidden` None (a forward without ``output_main_hidden=True``),
+            shapes that do not fit, token ids that are not integers in ``[0, vocab_size)``, a
+            cache of another batch size or that is not a `DeepseekV41DraftCache`, a `start_pos`
+            that is not where the cache's positions end (each forward must be followed by its
+            draft call, the prefill's first), or a multi-token forward after position 0 that
+            does not continue a prefill.
     """
     first, last = blocks[0], blocks[-1]
-    if token_ids.dim() != 1 or main_hidden.dim() != 3 or main_hidden.size(0) != token_ids.size(0):
-        raise DeepseekV41ModelError(
-            f"draft_step takes token_ids [B] and main_hidden [B, S, T*D], got {tuple(token_ids.shape)} and "
-            f"{tuple(main_hidden.shape)}"
-        )
-    if start_pos > 0 and main_hidden.size(1) != 1:
-        raise DeepseekV41ModelError(f"a draft step after position 0 takes one token's main_hidden, got {main_hidden.size(1)}")
+    _check_draft_inputs(config, token_ids, main_hidden, start_pos, cache)
+    seqlen = main_hidden.size(1)
     main_x = first.main_norm(first.main_proj(main_hidden))
-    if start_pos == 0:
+    cache.next_position = start_pos + seqlen
+    if start_pos == 0 or seqlen > 1:
         for block, ring in zip(blocks, cache.rings):
-            block.seed(main_x, ring)
+            with on_device(ring.device):
+                block.seed(main_x.to(ring.device), start_pos, ring)
         return None
     block_size = config.dspark_block_size
     ids = torch.full((token_ids.size(0), block_size), config.dspark_noise_token_id, dtype=torch.long, device=token_ids.device)
     ids[:, 0] = token_ids
     x = embed(ids).unsqueeze(2).repeat(1, 1, config.hc_mult, 1)
     pre_mix = identity_pre_mix(x, config.hc_mult)
-    for block, ring in zip(blocks, cache.rings):
-        x, pre_mix = block.draft(x, pre_mix, main_x, start_pos, ring)
-    return last.propose(x, pre_mix, token_ids, head)
+    for block, ring in zip(blocks, cache.rings):  # each block where a device_map put it
+        with on_device(ring.device):
+            x, pre_mix = block.draft(x.to(ring.device), pre_mix.to(ring.device), main_x.to(ring.device), start_pos, ring)
+    with on_device(x.device):
+        return last.propose(x, pre_mix, token_ids.long().to(x.device), head)
+
+
+def _check_draft_inputs(config, token_ids, main_hidden, start_pos, cache) -> None:
+    if main_hidden is None:
+        raise DeepseekV41ModelError("main_hidden is None: run the forward with output_main_hidden=True")
+    if not isinstance(cache, DeepseekV41DraftCache):
+        raise DeepseekV41ModelError(
+            f"cache must be the draft head's rings (model.model.draft_cache(batch_size)), got {type(cache).__name__}"
+        )
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or not isinstance(main_hidden, torch.Tensor) \
+            or main_hidden.dim() != 3 or main_hidden.size(0) != token_ids.size(0):
+        got = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in (token_ids, main_hidden)]
+        raise DeepseekV41ModelError(f"draft takes token_ids [B] and main_hidden [B, S, T*D] tensors, got {got[0]} and {got[1]}")
+    if token_ids.size(0) != cache.batch_size:
+        raise DeepseekV41ModelError(f"the draft cache holds {cache.batch_size} rows, token_ids {token_ids.size(0)}")
+    if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
+        raise DeepseekV41ModelError(f"token_ids must be integer token ids, got {token_ids.dtype}")
+    if bool(((token_ids < 0) | (token_ids >= config.vocab_size)).any()):
+        raise DeepseekV41ModelError(f"token_ids must lie in [0, {config.vocab_size}) (vocab_size), got {token_ids.tolist()}")
+    if isinstance(start_pos, bool) or not isinstance(start_pos, int) or start_pos < 0:
+        raise DeepseekV41ModelError(f"start_pos must be an int >= 0 (the forward's first position), got {start_pos!r}")
+    expected = 0 if cache.next_position is None else cache.next_position
+    if start_pos not in (0, expected):
+        raise DeepseekV41ModelError(
+            f"the draft cache's positions end at {expected}, but this forward starts at {start_pos}: call draft after "
+            "every forward of the sequence, the prefill (start_pos 0) first"
+        )
 
 
 class DeepseekV41DraftMixin:
@@ -248,13 +293,13 @@ class DeepseekV41DraftMixin:
     `text_config`)."""
 
     def draft_cache(self, batch_size: int) -> DeepseekV41DraftCache:
-        """Empty rings for :meth:`draft` (one per draft block) on the model's device.
+        """Empty rings for :meth:`draft` (one per draft block, on its device) for `batch_size` rows.
 
         Raises:
-            DeepseekV41ModelError: the model has no draft head.
+            DeepseekV41ModelError: the model has no draft head, or `batch_size` is not an int >= 1.
         """
         self._check_draft_head()
-        return DeepseekV41DraftCache(self.mtp, batch_size, self.embed.weight.device)
+        return DeepseekV41DraftCache(self.mtp, batch_size)
 
     def draft(
         self, token_ids: torch.Tensor, main_hidden: torch.Tensor, start_pos: int, cache: DeepseekV41DraftCache
@@ -287,6 +332,22 @@ class DeepseekV41DraftMixin:
                 "this model has no draft head: its checkpoint holds no mtp.* weights (convert the official "
                 "checkpoint again to keep them) or its config sets dspark_block_size = 0"
             )
+        if any(getattr(m, "_hf_hook", None) is not None and _offloads(m._hf_hook) for m in self.mtp.modules()):
+            raise DeepseekV41ModelError("the draft head is offloaded by its device_map (cpu / disk): place mtp.* on a GPU or the CPU")
+
+    def _check_main_hidden(self, cache, attention_mask) -> None:
+        """A forward asked for `main_hidden`: refused without a draft head, or for left-padded rows
+        (the draft head takes every row to start at position 0)."""
+        self._check_draft_head()
+        padded = cache is not None and cache.attention.pad_offsets is not None
+        if not padded and attention_mask is not None:
+            padded = bool((attention_mask == 0).any())
+        if padded:
+            raise DeepseekV41ModelError("output_main_hidden takes rows without padding: the draft head has no per-row positions")
+
+
+def _offloads(hook) -> bool:
+    return any(getattr(h, "offload", False) for h in getattr(hook, "hooks", [hook]))
 
 
 __all__ = [
@@ -296,7 +357,6 @@ __all__ = [
     "DeepseekV41DraftMixin",
     "DeepseekV41MarkovHead",
     "draft_blocks",
-    "draft_stage_count",
     "draft_step",
     "dspark_window_idxs",
     "main_hidden_taps",

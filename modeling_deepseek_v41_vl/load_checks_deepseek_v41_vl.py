@@ -23,9 +23,12 @@ disk (on the meta device after loading) are not checked.
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from ..triton_ops.formats import E8M0_BIAS
@@ -279,13 +282,27 @@ def refuse_a_half_loaded_pair(model: nn.Module, info: dict, path) -> None:
         )
 
 
+def _checkpoint_tensor_names(path) -> set[str] | None:
+    """The tensor names of a local converted folder (None: not a local folder of safetensors)."""
+    if path is None or not Path(path).is_dir():
+        return None
+    index, single = Path(path) / "model.safetensors.index.json", Path(path) / "model.safetensors"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    if single.is_file():
+        with safe_open(single, "pt") as f:
+            return set(f.keys())
+    return None
+
+
 def settle_draft_head(model: nn.Module, path) -> None:
     """After loading: a checkpoint with no ``mtp.*`` tensor (a folder converted before the draft
     head was kept, or saved without it) gives a model without a draft head (``model.model.mtp``
     None: it loads as such a folder always did, and drafting is refused by name); one with part of
     them is refused. Missing ``mtp.*`` names are not reported by transformers
-    (`_keys_to_ignore_on_load_missing`): what the checkpoint filled is read from transformers'
-    loaded mark (`_is_hf_initialized`) on each parameter.
+    (`_keys_to_ignore_on_load_missing`): what the checkpoint holds is read from a local folder's
+    tensor names (its index, else its one safetensors file), else from transformers' loaded mark
+    (`_is_hf_initialized`) on each parameter (which parameters offloaded to disk do not carry).
 
     Raises:
         DeepseekV41ModelError: the checkpoint holds some of the draft head's tensors but not all,
@@ -294,7 +311,11 @@ def settle_draft_head(model: nn.Module, path) -> None:
     blocks = model.model.mtp
     if blocks is None:
         return
-    lacking = [name for name, param in blocks.named_parameters() if not getattr(param, "_is_hf_initialized", False)]
+    held = _checkpoint_tensor_names(path)
+    if held is not None:
+        lacking = [name for name, _ in blocks.named_parameters() if f"model.mtp.{name}" not in held]
+    else:
+        lacking = [name for name, param in blocks.named_parameters() if not getattr(param, "_is_hf_initialized", False)]
     if not lacking:
         return
     if len(lacking) == sum(1 for _ in blocks.parameters()):

@@ -265,7 +265,7 @@ class DeepseekV41Transformer(DeepseekV41DraftMixin, nn.Module):
                 :class:`DeepseekV41TransformerOutput`; costs one ``hc_pre`` per block).
             row_lengths: without a cache, the right padding of `attention_mask` that the caller
                 read already (`right_padding_lengths`), so it is not read back twice; None: read here.
-            output_main_hidden: also return `main_hidden` for :meth:`draft` (layer by layer, not replayed).
+            output_main_hidden: also return `main_hidden`, what :meth:`draft` reads (refused without a draft head).
 
         Returns:
             :class:`DeepseekV41TransformerOutput`.
@@ -288,12 +288,14 @@ class DeepseekV41Transformer(DeepseekV41DraftMixin, nn.Module):
         if input_ids.numel() == 0:
             raise DeepseekV41ModelError(f"input_ids holds no token: shape {tuple(input_ids.shape)}")
         self._follow_config_numerics()
+        if output_main_hidden:
+            self._check_main_hidden(cache, attention_mask)
         if pixel_values is None and image_span_embeds is None \
-                and self.decode_runner.applies(self, cache, input_ids, output_hidden_states or output_main_hidden):
+                and self.decode_runner.applies(self, cache, input_ids, output_hidden_states):
             # `generate`'s own steps were checked at its entry and at the prefill: nothing to read back
             check_step_inputs(self, input_ids, mm_token_type_ids, attention_mask, cache, read_back=not self.decode_runner.trusted)
-            logits, hidden = self.decode_runner.step(self, input_ids, cache)
-            return DeepseekV41TransformerOutput(logits=logits, cache=cache, last_hidden_state=hidden)
+            logits, hidden, main_hidden = self.decode_runner.step(self, input_ids, cache, output_main_hidden)
+            return DeepseekV41TransformerOutput(logits=logits, cache=cache, last_hidden_state=hidden, main_hidden=main_hidden)
         vocab = self.text_config.vocab_size
         if bool(((input_ids < 0) | (input_ids >= vocab)).any()):
             raise DeepseekV41ModelError(
@@ -360,7 +362,7 @@ class DeepseekV41Transformer(DeepseekV41DraftMixin, nn.Module):
         return DeepseekV41TransformerOutput(
             logits=logits, cache=cache, last_hidden_state=hidden,
             hidden_states=None if collected is None else tuple(collected), image_outputs=image_outputs,
-            main_hidden=None if taps is None else torch.cat(list(taps.values()), -1),
+            main_hidden=None if taps is None else torch.cat([t.to(hidden.device) for t in taps.values()], -1),
         )
 
     def _image_positions(self, input_ids, mm_token_type_ids, pixel_values, image_grid_thw, image_span_embeds, output_hidden_states=False):

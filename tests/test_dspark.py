@@ -93,11 +93,102 @@ def test_a_model_without_a_draft_head_refuses_to_draft(golden):
         model.draft_cache(1)
 
 
-def test_a_draft_step_after_the_prefill_takes_one_token(golden):
+def test_a_model_without_a_draft_head_refuses_main_hidden(golden):
+    model = golden_model(golden, "model_tiny_fp8")
+    with pytest.raises(DeepseekV41ModelError, match="no draft head"), torch.no_grad():
+        model(torch.tensor([[1, 5, 9]]), output_main_hidden=True)
+
+
+def test_bad_draft_calls_are_refused_by_name(golden):
     model = golden_model(golden, VARIANT)
     dim = model.text_config.hidden_size * len(model.text_config.dspark_target_layer_ids)
-    rings = model.draft_cache(1)
-    with pytest.raises(DeepseekV41ModelError, match="one token"):
-        model.draft(torch.tensor([3]), torch.zeros(1, 2, dim, dtype=torch.bfloat16), 5, rings)
-    with pytest.raises(DeepseekV41ModelError, match=r"token_ids \[B\]"):
-        model.draft(torch.tensor([[3]]), torch.zeros(1, 1, dim, dtype=torch.bfloat16), 5, rings)
+    one = torch.zeros(2, 1, dim, dtype=torch.bfloat16)
+    token = torch.tensor([3, 4])
+    rings = model.draft_cache(2)
+    cases = [
+        ((token, None, 0, rings), "output_main_hidden=True"),
+        ((token, one, 0, DeepseekV41Cache(model.config)), "draft head's rings"),
+        ((token[:1], one[:1], 0, rings), "holds 2 rows, token_ids 1"),
+        ((token[:, None], one, 0, rings), r"token_ids \[B\]"),
+        ((token.float(), one, 0, rings), "integer token ids"),
+        ((torch.tensor([3, 512]), one, 0, rings), r"\[0, 512\)"),
+        ((token, one, -1, rings), "int >= 0"),
+        ((token, one, 5, rings), "prefill \\(start_pos 0\\) first"),  # drafting before the seeding
+    ]
+    with torch.no_grad():
+        for args, message in cases:
+            with pytest.raises(DeepseekV41ModelError, match=message):
+                model.draft(*args)
+        assert model.draft(token, torch.zeros(2, 6, dim, dtype=torch.bfloat16), 0, rings) is None  # seeds 0..5
+        with pytest.raises(DeepseekV41ModelError, match="end at 6, but this forward starts at 7"):
+            model.draft(token, one, 7, rings)
+    for size in (0, 2.0, True):
+        with pytest.raises(DeepseekV41ModelError, match="batch_size >= 1"):
+            model.draft_cache(size)
+
+
+def test_left_padded_rows_and_a_draft_block_called_as_a_layer_are_refused(golden):
+    model = golden_model(golden, VARIANT)
+    ids = torch.tensor([[0, 0, 5, 9], [3, 4, 5, 9]])
+    with pytest.raises(DeepseekV41ModelError, match="without padding"), torch.no_grad():
+        model(ids, attention_mask=(ids != 0).long(), cache=DeepseekV41Cache(model.config), output_main_hidden=True)
+    with pytest.raises(DeepseekV41ModelError, match="not a backbone layer"):
+        model.mtp[0](torch.zeros(1, 1, 4, 256, dtype=torch.bfloat16), None, None)
+
+
+def test_a_prefill_in_chunks_seeds_the_draft_rings_like_one_prefill(golden):
+    """Exact numerics keep a chunked prefill equal to one prefill (its length set on the cache):
+    the rings seeded chunk by chunk give the reference's first drafts."""
+    model = golden_model(golden, VARIANT)
+    want = load_file(golden / VARIANT / "text.safetensors")
+    ids = want["input_ids"]
+    cache = DeepseekV41Cache(model.config)
+    cache.attention.prefill_length = ids.size(1)
+    rings = model.draft_cache(ids.size(0))
+    with torch.no_grad():
+        for a, b in ((0, 10), (10, ids.size(1))):
+            out = model(ids[:, a:b], cache=cache, output_main_hidden=True)
+            assert model.draft(out.logits[:, -1].argmax(-1), out.main_hidden, a, rings) is None
+        assert_golden(out.logits[:, -1].argmax(-1), want["prefill.next_token"], "prefill.next_token")
+        out = model(want["step.0.input_token"].view(-1, 1), cache=cache, output_main_hidden=True)
+        ids_, logits, _ = model.draft(out.logits[:, -1].argmax(-1), out.main_hidden, ids.size(1), rings)
+    assert_golden(ids_, want["step.0.draft_ids"], "step.0.draft_ids")
+    assert_golden(logits, want["step.0.draft_logits"], "step.0.draft_logits")
+
+
+def test_engine_steps_hand_the_draft_head_its_main_hidden(golden, monkeypatch):
+    """In fast numerics a one-token step with ``output_main_hidden=True`` is the decode engine's
+    step (a graph of its own on a GPU; eager here): its `main_hidden` follows the layer-by-layer
+    forward's (a forward hook selects that one) and the drafts made from it are the same."""
+    from deepseek_v41_vl.modeling.decode_step_deepseek_v41_vl import DeepseekV41DecodeRunner
+
+    from helpers import rel_l2
+
+    model = golden_model(golden, VARIANT, "fast")
+    want = load_file(golden / VARIANT / "text.safetensors")
+    engine_steps = []
+    step = DeepseekV41DecodeRunner.step
+    monkeypatch.setattr(
+        DeepseekV41DecodeRunner, "step", lambda self, *a, **k: engine_steps.append(k.get("main_hidden", a[-1])) or step(self, *a, **k)
+    )
+    runs = {}
+    for engine in (True, False):
+        cache = DeepseekV41Cache(model.config)
+        hook = None if engine else model.norm.register_forward_hook(lambda *_: None)
+        try:
+            with torch.no_grad():
+                out = model(want["input_ids"], cache=cache, output_main_hidden=True)
+                rings = model.draft_cache(2)
+                model.draft(want["prefill.next_token"], out.main_hidden, 0, rings)
+                hidden, drafts = [], []
+                for s in range(3):
+                    out = model(want[f"step.{s}.input_token"].view(-1, 1), cache=cache, output_main_hidden=True)
+                    hidden.append(out.main_hidden)
+                    drafts.append(model.draft(want[f"step.{s}.next_token"], out.main_hidden, want["input_ids"].size(1) + s, rings)[0])
+        finally:
+            if hook is not None:
+                hook.remove()
+        runs[engine] = torch.cat(hidden, 1), torch.stack(drafts)
+    assert engine_steps == [True] * 3  # the engine took the three steps of the first run only
+    assert rel_l2(runs[True][0].float(), runs[False][0].float()) < 1e-2
+    assert torch.equal(runs[True][1], runs[False][1])

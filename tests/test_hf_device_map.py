@@ -34,7 +34,7 @@ def test_cpu_disk_split_keeps_layers_whole_and_gives_the_same_logits(golden, con
     config = AutoConfig.from_pretrained(model_dir)
     with init_empty_weights():
         empty = AutoModelForImageTextToText.from_config(config)
-    assert set(empty._no_split_modules) == {"DeepseekV41DecoderLayer", "DeepseekV41VisionBlock"}
+    assert set(empty._no_split_modules) == {"DeepseekV41DecoderLayer", "DeepseekV41DSparkBlock", "DeepseekV41VisionBlock"}
     sizes = compute_module_sizes(empty)
     n_layers = config.text_config.num_hidden_layers
     # room for the embedding, the first three layers and the tower, not for more
