@@ -170,7 +170,7 @@ class DeepseekV41DSparkBlock(DeepseekV41DecoderLayer):
             ``draft_logits[:, i]`` (the head's logits plus the Markov bias of ``draft_ids[:, i]``).
         """
         hidden = self.hc.pre(x, pre_mix)
-        logits = head(self.norm(hidden))
+        logits = head(self.norm(hidden).to(head.weight.device)).to(hidden.device)
         block_size = logits.size(1)
         ids = token_ids.new_empty(token_ids.size(0), block_size + 1)
         ids[:, 0] = token_ids
@@ -242,23 +242,28 @@ def draft_step(
     first, last = blocks[0], blocks[-1]
     _check_draft_inputs(config, token_ids, main_hidden, start_pos, cache)
     seqlen = main_hidden.size(1)
-    main_x = first.main_norm(first.main_proj(main_hidden))
-    cache.next_position = start_pos + seqlen
+    with on_device(cache.rings[0].device):
+        main_x = first.main_norm(first.main_proj(main_hidden.to(cache.rings[0].device)))
     if start_pos == 0 or seqlen > 1:
         for block, ring in zip(blocks, cache.rings):
             with on_device(ring.device):
                 block.seed(main_x.to(ring.device), start_pos, ring)
+        cache.next_position = start_pos + seqlen
         return None
     block_size = config.dspark_block_size
-    ids = torch.full((token_ids.size(0), block_size), config.dspark_noise_token_id, dtype=torch.long, device=token_ids.device)
-    ids[:, 0] = token_ids
+    ids = torch.full((token_ids.size(0), block_size), config.dspark_noise_token_id, dtype=torch.long)
+    ids = ids.to(embed.weight.device)
+    ids[:, 0] = token_ids.to(ids.device)
     x = embed(ids).unsqueeze(2).repeat(1, 1, config.hc_mult, 1)
     pre_mix = identity_pre_mix(x, config.hc_mult)
     for block, ring in zip(blocks, cache.rings):  # each block where a device_map put it
         with on_device(ring.device):
-            x, pre_mix = block.draft(x.to(ring.device), pre_mix.to(ring.device), main_x.to(ring.device), start_pos, ring)
+            device = ring.device
+            x, pre_mix = block.draft(x.to(device), pre_mix.to(device), main_x.to(device), start_pos, ring)
     with on_device(x.device):
-        return last.propose(x, pre_mix, token_ids.long().to(x.device), head)
+        drafts = last.propose(x, pre_mix, token_ids.long().to(x.device), head)
+    cache.next_position = start_pos + 1
+    return drafts
 
 
 def _check_draft_inputs(config, token_ids, main_hidden, start_pos, cache) -> None:
@@ -271,13 +276,17 @@ def _check_draft_inputs(config, token_ids, main_hidden, start_pos, cache) -> Non
     if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or not isinstance(main_hidden, torch.Tensor) \
             or main_hidden.dim() != 3 or main_hidden.size(0) != token_ids.size(0):
         got = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in (token_ids, main_hidden)]
-        raise DeepseekV41ModelError(f"draft takes token_ids [B] and main_hidden [B, S, T*D] tensors, got {got[0]} and {got[1]}")
+        raise DeepseekV41ModelError(
+            f"draft takes token_ids [B] and main_hidden [B, S, T*D] tensors, got {got[0]} and {got[1]}"
+        )
     if token_ids.size(0) != cache.batch_size:
         raise DeepseekV41ModelError(f"the draft cache holds {cache.batch_size} rows, token_ids {token_ids.size(0)}")
     if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
         raise DeepseekV41ModelError(f"token_ids must be integer token ids, got {token_ids.dtype}")
     if bool(((token_ids < 0) | (token_ids >= config.vocab_size)).any()):
-        raise DeepseekV41ModelError(f"token_ids must lie in [0, {config.vocab_size}) (vocab_size), got {token_ids.tolist()}")
+        raise DeepseekV41ModelError(
+            f"token_ids must lie in [0, {config.vocab_size}) (vocab_size), got {token_ids.tolist()}"
+        )
     if isinstance(start_pos, bool) or not isinstance(start_pos, int) or start_pos < 0:
         raise DeepseekV41ModelError(f"start_pos must be an int >= 0 (the forward's first position), got {start_pos!r}")
     expected = 0 if cache.next_position is None else cache.next_position
@@ -333,7 +342,9 @@ class DeepseekV41DraftMixin:
                 "checkpoint again to keep them) or its config sets dspark_block_size = 0"
             )
         if any(getattr(m, "_hf_hook", None) is not None and _offloads(m._hf_hook) for m in self.mtp.modules()):
-            raise DeepseekV41ModelError("the draft head is offloaded by its device_map (cpu / disk): place mtp.* on a GPU or the CPU")
+            raise DeepseekV41ModelError(
+                "the draft head is offloaded by its device_map (cpu / disk): place mtp.* on a GPU or the CPU"
+            )
 
     def _check_main_hidden(self, cache, attention_mask) -> None:
         """A forward asked for `main_hidden`: refused without a draft head, or for left-padded rows
@@ -343,7 +354,9 @@ class DeepseekV41DraftMixin:
         if not padded and attention_mask is not None:
             padded = bool((attention_mask == 0).any())
         if padded:
-            raise DeepseekV41ModelError("output_main_hidden takes rows without padding: the draft head has no per-row positions")
+            raise DeepseekV41ModelError(
+                "output_main_hidden takes rows without padding: the draft head has no per-row positions"
+            )
 
 
 def _offloads(hook) -> bool:

@@ -249,22 +249,37 @@ def test_golden_decode_on_gpu(golden, variant, run):
 def test_draft_head_on_gpu_follows_the_reference(golden, run):
     """The DSpark draft head in fast numerics on the GPU against the reference's `forward_spec`
     (golden `model_tiny_dspark`), teacher-forced (each step fed the golden token, each draft seeded
-    with the golden next token): draft logits within rel L2 0.15 and most drafts the same."""
+    with the golden next token): draft logits within rel L2 0.15 and most drafts the same. The
+    steps' `main_hidden` comes from the graph-replayed engine step (a graph of its own), bit for
+    bit the eager step's, and so do the drafts."""
     model = golden_model(golden, "model_tiny_dspark", "fast", CUDA)
     want = golden_run(golden, "model_tiny_dspark", run, CUDA)
     inputs = prefill_inputs(golden, "model_tiny_fp8", run, golden_run(golden, "model_tiny_fp8", run, CUDA), CUDA)
-    cache = DeepseekV41Cache(model.config)
+    runner, results = model.decode_runner, {}
+    for graphs in (False, True):
+        runner.graphs = graphs
+        before = runner.captures
+        cache = DeepseekV41Cache(model.config)
+        hidden, drafts = [], []
+        with torch.no_grad():
+            out = model(**inputs, cache=cache, output_main_hidden=True)
+            rings = model.draft_cache(inputs["input_ids"].size(0))
+            model.draft(want["prefill.next_token"], out.main_hidden, 0, rings)
+            start = inputs["input_ids"].size(1)
+            for s in range(8):
+                out = model(want[f"step.{s}.input_token"].view(-1, 1), cache=cache, output_main_hidden=True)
+                hidden.append(out.main_hidden)
+                drafts.append(model.draft(want[f"step.{s}.next_token"], out.main_hidden, start + s, rings))
+        results[graphs] = hidden, drafts, runner.captures - before
+    runner.graphs = True
+    assert results[False][2] == 0 and results[True][2] == 1
+    assert torch.equal(torch.cat(results[True][0], 1), torch.cat(results[False][0], 1))
     errors, agree = [], []
-    with torch.no_grad():
-        out = model(**inputs, cache=cache, output_main_hidden=True)
-        rings = model.draft_cache(inputs["input_ids"].size(0))
-        model.draft(want["prefill.next_token"], out.main_hidden, 0, rings)
-        start = inputs["input_ids"].size(1)
-        for s in range(8):
-            out = model(want[f"step.{s}.input_token"].view(-1, 1), cache=cache, output_main_hidden=True)
-            ids, logits, _ = model.draft(want[f"step.{s}.next_token"], out.main_hidden, start + s, rings)
-            errors.append(rel_l2(logits, want[f"step.{s}.draft_logits"]))
-            agree.append((ids == want[f"step.{s}.draft_ids"]).float().mean().item())
+    for s, (graphed, eager) in enumerate(zip(results[True][1], results[False][1])):
+        assert all(torch.equal(a, b) for a, b in zip(graphed, eager)), s
+        ids, logits, _ = graphed
+        errors.append(rel_l2(logits, want[f"step.{s}.draft_logits"]))
+        agree.append((ids == want[f"step.{s}.draft_ids"]).float().mean().item())
     _METRICS[f"dspark/{run}"] = {"draft_logits_rel_l2": errors, "draft_ids_agree": agree}
     assert max(errors) < 0.15, errors
     assert sum(agree) / len(agree) >= 0.8, agree
