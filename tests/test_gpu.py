@@ -249,7 +249,7 @@ def test_golden_decode_on_gpu(golden, variant, run):
 def test_draft_head_on_gpu_follows_the_reference(golden, run):
     """The DSpark draft head in fast numerics on the GPU against the reference's `forward_spec`
     (golden `model_tiny_dspark`), teacher-forced (each step fed the golden token, each draft seeded
-    with the golden next token): draft logits within rel L2 0.15 and most drafts the same. The
+    with the golden next token): the first draft's logits within rel L2 0.15 and most drafts the same. The
     steps' `main_hidden` comes from the graph-replayed engine step (a graph of its own), bit for
     bit the eager step's, and so do the drafts."""
     model = golden_model(golden, "model_tiny_dspark", "fast", CUDA)
@@ -278,7 +278,9 @@ def test_draft_head_on_gpu_follows_the_reference(golden, run):
     for s, (graphed, eager) in enumerate(zip(results[True][1], results[False][1])):
         assert all(torch.equal(a, b) for a, b in zip(graphed, eager)), s
         ids, logits, _ = graphed
-        errors.append(rel_l2(logits, want[f"step.{s}.draft_logits"]))
+        # the first draft's logits (the later ones follow the drafts before them through the
+        # Markov bias, so one flipped near-tie moves them all)
+        errors.append(rel_l2(logits[:, 0], want[f"step.{s}.draft_logits"][:, 0]))
         agree.append((ids == want[f"step.{s}.draft_ids"]).float().mean().item())
     _METRICS[f"dspark/{run}"] = {"draft_logits_rel_l2": errors, "draft_ids_agree": agree}
     assert max(errors) < 0.15, errors
