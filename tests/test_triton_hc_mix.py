@@ -37,6 +37,21 @@ def _inputs(batch: int, seq: int, hc: int, dim: int, seed: int = 0):
     return x, f, mix, post, comb
 
 
+def test_a_rows_mixes_do_not_depend_on_the_rows_beside_it():
+    """The projection's column splits follow the width alone: 33 rows (three row blocks) give each
+    row the bits it gets alone, and so do the tiles the fused expand + projection takes (a
+    verification forward of k tokens equals k one-token steps; a conversation's next turn, one
+    prefill of it). The width has 50 K steps, more than the 128 // 3 splits a three-block call
+    would have been given when the splits followed the rows."""
+    x, *_ = _inputs(1, 33, 4, 800, seed=3)
+    fn = torch.randn(24, 3200, generator=torch.Generator().manual_seed(4)) * 3200 ** -0.5
+    grids = {hc_mix._mixes_grid(tokens, 3200)[1:] for tokens in (1, 16, 33, 200, hc_mix.MIXES_MAX_ROWS)}
+    assert len(grids) == 1
+    together = hc_mix.hc_mixes_triton(x, fn, 1e-6)
+    for row in (0, 17, 32):
+        assert torch.equal(hc_mix.hc_mixes_triton(x[:, row : row + 1], fn, 1e-6), together[:, row : row + 1])
+
+
 @pytest.mark.parametrize("batch,seq,hc,dim", [(1, 1, 4, 5120), (2, 3, 4, 700), (1, 2, 3, 64), (1, 1, 1, 32)])
 def test_kernels_agree_with_the_torch_ops(batch, seq, hc, dim):
     x, f, mix, post, comb = _inputs(batch, seq, hc, dim, seed=dim)

@@ -24,8 +24,9 @@ The projection (:func:`hc_mixes_triton`) is, per token row ``v = float(x.flatten
     m = (fn @ v) * rsqrt(mean(v^2) + eps)          fp32 [(2 + hc) * hc]
 
 torch runs it as a widening copy, a square, a mean, an rsqrt, an fp32 GEMM and a product. Here a
-first launch takes ``BLOCK_T`` rows and 1/SPLIT of the columns (split for few rows: one decode
-row would leave one program reading 20480 columns alone) and stores fp32 partial dot products and
+first launch takes ``BLOCK_T`` rows and 1/SPLIT of the columns (SPLIT set by the width alone, so
+that a row's sums do not depend on the rows beside it; one decode row would otherwise leave one
+program reading 20480 columns alone) and stores fp32 partial dot products and
 sums of squares; a second adds the splits in order and scales. The dot products are exact fp32
 FMA sums (``input_precision="ieee"``, no TF32), in another order than cuBLAS's. It is meant for
 decode steps (up to :data:`MIXES_MAX_ROWS` rows): for a prefill cuBLAS's GEMM is faster.
@@ -209,8 +210,8 @@ def _fp32(t: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
     return t.contiguous()
 
 
-# rows per program of the projection; columns per K step; programs a decode row is split over;
-# warps per program
+# rows per program of the projection; columns per K step; programs a row's columns are split over
+# (at most); warps per program
 _MIXES_BLOCK_T = 16
 _MIXES_BLOCK_K = 64
 _MIXES_SPLIT_TARGET = 128
@@ -310,10 +311,13 @@ def _mixes_partials(rows: torch.Tensor, fn: torch.Tensor, n_mix: int) -> tuple[t
 
 def _mixes_grid(tokens: int, width: int) -> tuple[int, int, int]:
     # (row blocks, splits, columns per split) of the projection's first launch: its tiles, and so
-    # the order of its sums (also the tiles of `hc_fused.hc_post_mixes_triton`)
+    # the order of its sums (also the tiles of `hc_fused.hc_post_mixes_triton`). The splits depend
+    # on the width only, never on the rows: a row's mixes are the same bits in a call of any
+    # number of rows (a conversation's next turn continues like one prefill of it, a forward of
+    # k tokens like k one-token steps)
     row_blocks = triton.cdiv(tokens, _MIXES_BLOCK_T)
     k_steps = triton.cdiv(width, _MIXES_BLOCK_K)
-    split = max(1, min(k_steps, _MIXES_SPLIT_TARGET // row_blocks))
+    split = max(1, min(k_steps, _MIXES_SPLIT_TARGET))
     steps_per_split = triton.cdiv(k_steps, split)
     split = triton.cdiv(k_steps, steps_per_split)  # no split left without columns
     return row_blocks, split, steps_per_split * _MIXES_BLOCK_K
