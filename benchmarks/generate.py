@@ -17,7 +17,7 @@ early); decode ms/token is ``(T(n) - T(1)) / (n - 1)``, the time of an n-token g
 (prefill, then one token per call on the same cache: no generate), the step time generate would
 have at no cost of its own.
 
-    python benchmarks/generate.py [--out generate.md] [--cases image text long batch padded vision]
+    python benchmarks/generate.py [--out generate.md] [--cases image text long batch padded vision] [--dspark]
     python benchmarks/generate.py --quick --device cpu   # tiny widths: a smoke run, not a measurement
 """
 
@@ -304,6 +304,8 @@ def main(argv=None) -> int:
                         help="also profile decode steps of the image case: GPU kernel time per step, top kernels")
     parser.add_argument("--profile-distinct", type=int, metavar="B",
                         help="also profile decode steps of B distinct text prompts (GPU kernel time per step)")
+    parser.add_argument("--dspark", action="store_true",
+                        help="also the DSpark tables (benchmarks/dspark.py): verification of 1 + k tokens, the draft head")
     parser.add_argument("--host-profile", action="store_true",
                         help="also cProfile the host side of decode steps of the image case (stderr)")
     args = parser.parse_args(argv)
@@ -353,6 +355,10 @@ def main(argv=None) -> int:
         row("image chat prompt", chat_inputs(processor, [(TEXT, [photo])], device), loop=True)
     if args.profile:
         profile_rows(chat_inputs(processor, [(TEXT, [photo])], device), "image prompt, batch 1")
+    if args.dspark:
+        from dspark import dspark_lines
+
+        lines += ["", *dspark_lines(model, chat_inputs(processor, [(TEXT, [photo])], device), device, args.reps, args.steps), ""]
     if args.host_profile:
         host_profile(model, chat_inputs(processor, [(TEXT, [photo])], device), device)
     if "text" in args.cases:

@@ -32,151 +32,14 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .crop_deepseek_v41_vl import DeepseekV41CropHistory
 from .exceptions_deepseek_v41_vl import DeepseekV41AttentionError, DeepseekV41CacheError
+from .row_buffer_deepseek_v41_vl import (
+    DeepseekV41RowBuffer, DeepseekV41StorageEpoch, _new_state_tensor, select_batch_rows,
+)
 
 
-def select_batch_rows(tensor: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
-    """`tensor`'s batch rows `index` (dim 0), in place when the batch size is unchanged."""
-    if tensor is None:
-        return None
-    with torch.inference_mode(False):  # an ordinary tensor: later steps outside inference mode write it
-        rows = tensor.index_select(0, index.to(tensor.device))
-    writable = not tensor.is_inference() or torch.is_inference_mode_enabled()
-    if rows.shape == tensor.shape and tensor.is_contiguous() and writable:
-        # same batch size (beam search reorders every step): keep the storage, so that a captured
-        # decode step (which addresses the cache's tensors) is replayed, not captured again
-        return tensor.copy_(rows)
-    return rows
-
-
-def _capacity(rows: int) -> int:
-    """Storage rows of a growing buffer holding `rows`: the power of two at or above it (0 for none)."""
-    return 0 if rows <= 0 else 1 << (rows - 1).bit_length()
-
-
-class DeepseekV41StorageEpoch:
-    """A counter shared by one cache's layers, advanced whenever one of its state tensors is
-    allocated or replaced (never when one is written in place). A captured decode step addresses
-    the cache's tensors: it stays valid while the epoch it was captured at is the current one."""
-
-    __slots__ = ("value",)
-
-    def __init__(self):
-        self.value = 0
-
-    def advance(self) -> None:
-        self.value += 1
-
-
-def _new_state_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, fill: float) -> torch.Tensor:
-    # an ordinary tensor even under torch.inference_mode(): a later step outside it writes in place
-    with torch.inference_mode(False):
-        return torch.full(shape, fill, dtype=dtype, device=device)
-
-
-class DeepseekV41RowBuffer:
-    """Rows ``[B, n, D]`` appended along dim 1, zeros past the rows written.
-
-    A static buffer (`fixed_capacity`, a cache made with ``max_cache_len``) holds its capacity from
-    the start and never moves; a growing one holds a power of two rows and doubles (a new storage)
-    as it grows. `length` is the number of rows of the longest batch row; with left padding a
-    shorter batch row holds zeros past its own end (nothing reads them).
-
-    Args:
-        storage: the zero-filled ``[B, capacity, D]`` storage.
-        allocate: ``allocate(shape)`` -> a new zero-filled storage of the same dtype and device
-            (growing buffers only).
-        fixed_capacity: True for a static buffer.
-    """
-
-    def __init__(self, storage: torch.Tensor, allocate=None, fixed_capacity: bool = False):
-        self._data = storage
-        self._allocate = allocate
-        self.fixed_capacity = fixed_capacity
-        self.length = 0
-        self.ratio = 1  # positions per row (set by the layer cache that made it)
-
-    @property
-    def capacity(self) -> int:
-        return self._data.size(1)
-
-    def _grow(self, end: int) -> None:
-        if end <= self._data.size(1):
-            return
-        if self.fixed_capacity or self._allocate is None:
-            raise DeepseekV41CacheError(
-                f"the cache's rows are full: {end} rows needed, {self._data.size(1)} held (a cache made with "
-                "max_cache_len holds that many positions; make it longer)"
-            )
-        grown = self._allocate((self._data.size(0), _capacity(max(end, 2 * self._data.size(1))), self._data.size(2)))
-        grown[:, : self.length] = self._data[:, : self.length]
-        self._data = grown
-
-    def write(self, start: int, rows: torch.Tensor) -> None:
-        if start != self.length:
-            raise DeepseekV41AttentionError(f"cache rows must be appended in order: row {start} after {self.length}")
-        end = start + rows.size(1)
-        self._grow(end)
-        self._data[:, start:end] = rows
-        self.length = end
-
-    def scatter(self, index: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> None:
-        """Per batch row writes: ``data[b, index[b, i]] = rows[b, i]`` where ``valid[b, i]``.
-
-        index: int64 ``[B, n]`` (each batch row's own group indices), rows ``[B, n, D]``, valid bool
-        ``[B, n]``.
-        """
-        if not bool(valid.any()):
-            return
-        end = int(index[valid].max()) + 1
-        self._grow(end)
-        batch = torch.arange(index.size(0), device=index.device).unsqueeze(1).expand_as(index)
-        self._data[batch[valid], index[valid]] = rows[valid].to(self._data.dtype)
-        self.length = max(self.length, end)
-
-    def rows(self, n: int) -> torch.Tensor:
-        if n > self.length:
-            raise DeepseekV41AttentionError(f"asked for {n} cached rows, only {self.length} exist")
-        return self._data[:, :n]
-
-    def truncate(self, length: int, counts: list[int]) -> None:
-        """Keep the first `length` rows (a crop), batch row b only its first ``counts[b]``: the
-        storage past them is zeroed, as a buffer that never held them has it (in place)."""
-        self.length = length
-        for row, count in enumerate(counts):
-            self._data[row, count:] = 0
-
-    def reserve(self, capacity: int) -> None:
-        """Make room for `capacity` rows (a growing buffer moves when it grows).
-
-        Raises:
-            DeepseekV41CacheError: a static buffer holding fewer rows.
-        """
-        self._grow(capacity)
-
-    def storage(self, n: int | None = None) -> torch.Tensor:
-        """The first `n` rows of the storage (all of it by default), written or not: a decode step
-        reads a fixed width and masks the rows past each batch row's visible ones."""
-        if n is not None and n > self._data.size(1):
-            raise DeepseekV41AttentionError(f"asked for {n} storage rows, the capacity is {self._data.size(1)}")
-        return self._data if n is None else self._data[:, :n]
-
-    def write_rows_at(self, index: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write ``rows[b, 0]`` at the storage row ``index[b]`` of every batch row b (int64 ``[B]``
-        on the device; rows ``[B, 1, D]``): no host synchronisation, a captured step may hold it.
-        `length` is the caller's to advance (it knows the step's positions on the host)."""
-        target = index.view(-1, 1, 1).expand(-1, 1, self._data.size(2))
-        self._data.scatter_(1, target, rows.to(self._data.dtype))
-
-    def select_rows(self, index: torch.Tensor) -> bool:
-        """Keep (and reorder) the batch rows `index` (int ``[n]``) of the storage (beam search,
-        batch selection); see :func:`select_batch_rows`. Returns whether the storage moved."""
-        old = self._data
-        self._data = select_batch_rows(self._data, index)
-        return self._data is not old
-
-    @property
-    def device(self) -> torch.device:
-        return self._data.device
+# how far back a crop reaches while assisted decoding records the past (more than the checkpoint's
+# 5 drafts or prompt lookup's 10; a longer verification widens it: `DeepseekV41Cache.keep_crops`)
+PAST_RECORDING_CROP = 16
 
 
 @dataclass
@@ -417,9 +280,6 @@ class DeepseekV41CacheLayer(CacheLayerMixin):
     """
 
     is_compileable = False
-    # transformers reads it as "crop can undo any part of a forward" (assisted decoding crops
-    # inside its verification forward); this cache rewinds only to the end of a forward
-    is_croppable = False
     supports_early_init = False
 
     def __init__(self, state: DeepseekV41LayerAttentionCache, owner: "DeepseekV41Cache"):
@@ -433,10 +293,20 @@ class DeepseekV41CacheLayer(CacheLayerMixin):
     def is_initialized(self) -> bool:  # type: ignore[override]
         return self.state.window_kv is not None
 
+
     @is_initialized.setter
     def is_initialized(self, value: bool) -> None:
         # CacheLayerMixin.__init__ assigns it; the truth is whether the ring exists
         pass
+
+    @property
+    def is_croppable(self) -> bool:
+        """transformers' "a crop puts the layer back as it was": true while the cache keeps a crop
+        history (``max_crop`` or :meth:`DeepseekV41Cache.activate_past_recording`). Assisted
+        decoding crops inside its verification forward, which the model then runs as one-token
+        steps (``one_token_steps``), each the end of a forward."""
+        owner = self._owner()
+        return owner is not None and owner.crop_history is not None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise DeepseekV41CacheError("DeepseekV41 cache layers are filled by the attention module, not lazily")
@@ -499,7 +369,12 @@ class DeepseekV41Cache(Cache):
         engram_history: int64 ``[B, max_ngram_size - 1]`` or None before the prefill.
         image_counts: int64 ``[B]``, the images each row has taken so far (None before any), so
             that a later turn given the whole conversation's `pixel_values` encodes only its own.
-        crop_history: :class:`DeepseekV41CropHistory` with ``max_crop > 0``, else None.
+        max_crop: as made.
+        crop_history: :class:`DeepseekV41CropHistory` with ``max_crop > 0`` (or while an assisted
+            generation records the past, :meth:`activate_past_recording`), else None.
+        draft: the draft head's rings for this sequence (`DeepseekV41DraftCache`, made by DSpark
+            generation), or None; a crop rewinds them with the rest, a reset or a batch selection
+            drops them.
 
     Raises:
         DeepseekV41CacheError: `max_crop` that is not an int >= 0, `max_cache_len` that is not
@@ -520,13 +395,25 @@ class DeepseekV41Cache(Cache):
         self._engram_storage: torch.Tensor | None = None
         self.image_counts: torch.Tensor | None = None
         self._seen_tokens = 0
+        self._compress_ratio = text.compress_ratio
+        self.max_crop = max_crop
+        self._unrun = 0  # positions a stopped verification did not run (`skip_steps`)
         self.crop_history = DeepseekV41CropHistory(max_crop, text.compress_ratio) if max_crop else None
+        self.draft = None
         layers = [DeepseekV41CacheLayer(self.attention.layer(i), self) for i in range(text.num_hidden_layers)]
         super().__init__(layers=layers)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Positions already processed (the next token's absolute position)."""
-        return self._seen_tokens
+        """Positions already processed (the next token's absolute position), counting those a
+        verification forward stopped before (:meth:`skip_steps`) until a crop removes them."""
+        return self._seen_tokens + self._unrun
+
+    def skip_steps(self, n: int) -> None:
+        """A verification run as one-token steps stopped `n` positions early, after a rejected
+        draft (greedy: what follows is never kept): they count as run until the crop after the
+        verification removes them, so that transformers' crop, relative to the whole forward,
+        lands on the steps run. Any forward before that crop is refused."""
+        self._unrun = n
 
     @property
     def batch_size(self) -> int:
@@ -553,7 +440,16 @@ class DeepseekV41Cache(Cache):
     def make_room(self, n: int) -> None:
         """Before a forward of `n` tokens: a static cache without room for them grows (to twice
         its length, or what they need if more; its row buffers move once, and a captured step
-        is captured again). A growing cache needs nothing."""
+        is captured again). A growing cache needs nothing.
+
+        Raises:
+            DeepseekV41CacheError: positions a stopped verification did not run are not cropped yet
+                (:meth:`skip_steps`)."""
+        if self._unrun:
+            raise DeepseekV41CacheError(
+                f"a forward on a cache whose last verification stopped {self._unrun} positions early: crop them "
+                "first (crop(-n) as transformers' assisted decoding does)"
+            )
         needed = self._seen_tokens + n
         if self.max_cache_len is not None and needed > self.max_cache_len:
             self.grow_to(max(needed, 2 * self.max_cache_len))
@@ -582,13 +478,40 @@ class DeepseekV41Cache(Cache):
             held.copy_(value)
         self._engram_history = held
 
-    def record_tokens(self, n: int, took_images: bool = False) -> None:
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
+        """transformers' switch before assisted decoding: keep a crop history until
+        :meth:`end_past_recording`, reaching at least `recurrent_states_to_keep` positions back
+        (transformers 5.25 passes its drafts per step; default :data:`PAST_RECORDING_CROP`), so
+        that a verification forward can be cropped. A cache made with a larger `max_crop` keeps
+        it. A filled cache starts its history at its current length."""
+        self.keep_crops(max(recurrent_states_to_keep or 0, PAST_RECORDING_CROP))
+
+    def end_past_recording(self) -> None:
+        """After an assisted generation: the crop history is as the cache was made (none with
+        ``max_crop=0``)."""
+        if not self.max_crop:
+            self.crop_history = None
+
+    def keep_crops(self, max_crop: int) -> None:
+        """Make the crop history reach at least `max_crop` positions back (one is started when the
+        cache has none; what it holds is kept)."""
+        if self.crop_history is None:
+            self.crop_history = DeepseekV41CropHistory(max_crop, self._compress_ratio)
+            with torch.no_grad():
+                self.crop_history.restart(self, "the start of the crop history")
+        elif max_crop > self.crop_history.max_crop:
+            self.crop_history.widen(max_crop, self._seen_tokens)
+
+    def record_tokens(self, n: int, took_images: bool = False, main_hidden: torch.Tensor | None = None) -> None:
         """Advance the position after a forward of `n` tokens (called by the model, last, once the
         forward's state, its image counts included, is in the cache); `took_images`: the forward
-        held image-span positions (a crop inside it would cut a span)."""
+        held image-span positions (a crop inside it would cut a span); `main_hidden`: the forward's
+        (``output_main_hidden``), handed to the draft rings when the cache has them."""
         start = self._seen_tokens
         self._seen_tokens += n
         self.attention.seen_tokens = self._seen_tokens
+        if self.draft is not None:
+            self.draft.record_forward(start, main_hidden, n)
         if self.crop_history is not None:
             with torch.no_grad():
                 self.crop_history.record(self, start, self._seen_tokens, took_images)
@@ -602,13 +525,18 @@ class DeepseekV41Cache(Cache):
         self.engram_history = None
         self.image_counts = None
         self._seen_tokens = 0
+        self._unrun = 0
         self.attention.seen_tokens = 0
+        self.draft = None
+        self.end_past_recording()
         if self.crop_history is not None:
             self.crop_history.clear()
 
     def _drop_crop_history(self, reason: str) -> None:
         # the kept rows and points are of the old batch rows: start again from the new rows, as
-        # at the end of a forward (the current window rings seed the kept window rows)
+        # at the end of a forward (the current window rings seed the kept window rows); the
+        # draft rings are of the old rows too
+        self.draft = None
         if self.crop_history is not None:
             with torch.no_grad():
                 self.crop_history.restart(self, reason)
@@ -684,10 +612,17 @@ class DeepseekV41Cache(Cache):
         if isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral):
             raise DeepseekV41CacheError(f"crop takes an int length (negative: positions to remove), got {max_length!r}")
         max_length = int(max_length)
-        current = self._seen_tokens
+        current = self.get_seq_length()
         target = current + max_length if max_length < 0 else max_length
         if target < 0:
             raise DeepseekV41CacheError(f"crop({max_length}) removes {-max_length} positions, the cache holds {current}")
+        if self._unrun:
+            if target > self._seen_tokens:
+                raise DeepseekV41CacheError(
+                    f"crop to {target} keeps positions a stopped verification did not run (it ran up to "
+                    f"{self._seen_tokens}): crop to {self._seen_tokens} or less"
+                )
+            self._unrun, current = 0, self._seen_tokens
         if max_length == 0 or target >= current:
             return
         if target == 0:
@@ -708,6 +643,8 @@ class DeepseekV41Cache(Cache):
             history.restore(self, target)
         self._seen_tokens = target
         self.attention.seen_tokens = target
+        if self.draft is not None and not self.draft.rewind(target):
+            self.draft = None  # its rows of the positions kept are gone: DSpark generation refuses it
 
 
 __all__ = [

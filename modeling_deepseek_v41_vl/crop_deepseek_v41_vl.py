@@ -115,6 +115,17 @@ class DeepseekV41CropHistory:
             self.start, self.dropped = dropped[-1], None
         self.points = [p for p in self.points if p.length >= end - self.max_crop] + [point]
 
+    def widen(self, max_crop: int, current: int) -> None:
+        """Reach `max_crop` (> the present one) positions back from now on; the kept window rows of
+        positions before `current` (the cache length) move to the wider rings."""
+        span = self.max_crop
+        self.max_crop = max_crop
+        for layer_id, kept in list(self.windows.items()):
+            wide = kept.new_zeros(kept.size(0), kept.size(1) - span + max_crop, kept.size(2))
+            pos = torch.arange(max(0, current - kept.size(1)), current, device=kept.device)
+            wide[:, pos % wide.size(1)] = kept[:, pos % kept.size(1)]
+            self.windows[layer_id] = wide
+
     def _keep_window(self, layer_id: int, ring: torch.Tensor, start: int, end: int) -> None:
         window = ring.size(1)
         kept = self.windows.get(layer_id)

@@ -41,7 +41,7 @@ from .attention_deepseek_v41_vl import decode_rows
 from .attention_state_deepseek_v41_vl import DeepseekV41DecodeStep, check_mask_shape, check_same_padding, left_padding_offsets
 from .cache_deepseek_v41_vl import DeepseekV41Cache
 from .cuda_graphs_deepseek_v41_vl import GraphedSegment, graph_pool
-from .dspark_deepseek_v41_vl import main_hidden_taps
+from .dspark_deepseek_v41_vl import gather_main_hidden, main_hidden_taps
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from .hyper_connection_deepseek_v41_vl import identity_pre_mix
 
@@ -90,7 +90,7 @@ def decode_model_step(
     for layer in model.layers:
         x, pre_mix = layer.decode_step(x, pre_mix, step)
     hidden = model.norm(model.hc.pre(x, pre_mix))
-    taps = None if step.hidden_taps is None else torch.cat(list(step.hidden_taps.values()), -1)
+    taps = None if step.hidden_taps is None else gather_main_hidden(step.hidden_taps)
     return model.head(hidden[:, -1]).unsqueeze(1), hidden, step.publisher, history, taps
 
 
@@ -103,12 +103,12 @@ def check_step_inputs(model, input_ids, mm_token_type_ids, attention_mask, cache
     Raises:
         DeepseekV41ModelError, DeepseekV41AttentionError, DeepseekV41CacheError: as the forward.
     """
+    cache.make_room(1)
     start = cache.get_seq_length()
     batch = input_ids.size(0)
     check_mask_shape(attention_mask, start, 1, batch)
     if cache.batch_size not in (-1, batch):
         raise DeepseekV41ModelError(f"the cache holds {cache.batch_size} batch rows, input_ids {batch}")
-    cache.make_room(1)
     if not read_back:
         return
     vocab = model.text_config.vocab_size
@@ -311,7 +311,7 @@ class DeepseekV41DecodeRunner:
         self._commit(model, cache, start, publisher)
         if history is not None:
             cache.engram_history = history
-        cache.record_tokens(1)
+        cache.record_tokens(1, main_hidden=taps)
         return logits, hidden, taps
 
     def _commit(self, model, cache: DeepseekV41Cache, start: int, publisher: torch.Tensor) -> None:

@@ -30,6 +30,8 @@ functions here take them as arguments.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -53,6 +55,14 @@ def main_hidden_taps(config) -> dict[int, torch.Tensor | None]:
     """An empty `DeepseekV41AttentionState.hidden_taps` for the draft head's target layers, in the
     order their means are concatenated into `main_hidden` (``dspark_target_layer_ids``)."""
     return dict.fromkeys(config.dspark_target_layer_ids)
+
+
+def gather_main_hidden(taps: dict[int, torch.Tensor | None], device=None) -> torch.Tensor:
+    """`main_hidden` from the filled taps of :func:`main_hidden_taps`: their means concatenated
+    in order, bf16 ``[B, S, T*D]`` (on `device`, default the first tap's)."""
+    means = list(taps.values())
+    device = means[0].device if device is None else device
+    return torch.cat([m.to(device) for m in means], -1)
 
 
 def dspark_window_idxs(window: int, batch: int, block_size: int, start_pos: int, device) -> torch.Tensor:
@@ -155,18 +165,22 @@ class DeepseekV41DSparkBlock(DeepseekV41DecoderLayer):
         return attn.output(attn._sparse(q, kv, idxs), freqs)
 
     def propose(
-        self, x: torch.Tensor, pre_mix: torch.Tensor, token_ids: torch.Tensor, head: DeepseekV41Head
+        self, x: torch.Tensor, pre_mix: torch.Tensor, token_ids: torch.Tensor, head: DeepseekV41Head,
+        pick: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The last block's head (`DSparkBlock.forward_head`), greedy.
+        """The last block's head (`DSparkBlock.forward_head`), greedy unless `pick` says otherwise.
 
         Args:
             x: bf16 ``[B, bs, hc, D]``, pre_mix fp32 ``[B, bs, hc]``: the last block's outputs.
             token_ids: int64 ``[B]``, the backbone's next token (the block's first token).
             head: the backbone's head (fp32 ``[V, D]``).
+            pick: ``pick(i, logits) -> ids int64 [B]`` chooses the draft for block position i from
+                its logits fp32 ``[B, V]`` (the Markov bias added); None: the argmax, as the
+                reference.
 
         Returns:
             ``(draft_ids int64 [B, bs + 1], draft_logits fp32 [B, bs, V], confidence fp32 [B, bs])``;
-            ``draft_ids[:, 0]`` is `token_ids`, ``draft_ids[:, i + 1]`` the argmax of
+            ``draft_ids[:, 0]`` is `token_ids`, ``draft_ids[:, i + 1]`` the pick (argmax) of
             ``draft_logits[:, i]`` (the head's logits plus the Markov bias of ``draft_ids[:, i]``).
         """
         hidden = self.hc.pre(x, pre_mix)
@@ -178,8 +192,13 @@ class DeepseekV41DSparkBlock(DeepseekV41DecoderLayer):
         for i in range(block_size):
             embeds.append(self.markov_head.embed(ids[:, i]))
             logits[:, i].add_(self.markov_head.head(embeds[-1]))
-            ids[:, i + 1] = logits[:, i].argmax(-1)
+            ids[:, i + 1] = logits[:, i].argmax(-1) if pick is None else pick(i, logits[:, i])
         return ids, logits, self.confidence_head(hidden, torch.stack(embeds, dim=1))
+
+
+# consecutive one-token steps `DeepseekV41DraftCache.pending` joins (a verification is at most
+# 1 + dspark_block_size of them); a longer run of steps with main_hidden starts over
+_PENDING_STEPS = 64
 
 
 class DeepseekV41DraftCache:
@@ -187,19 +206,74 @@ class DeepseekV41DraftCache:
     by a prefill's :func:`draft_step` (start_pos 0), and the position the next call must start at
     (`next_position`: None before the seeding; each call advances it past its positions).
 
+    With ``max_rewind=N`` each ring also has a kept copy of its last ``W + N`` positions (slot =
+    position % (W + N)), so that :meth:`rewind` can go back up to N positions exactly.
+
+    When the rings sit on a `DeepseekV41Cache` (`DeepseekV41Cache.draft`), the cache hands them each
+    forward's `main_hidden` (:meth:`record_forward`) and `pending` holds what the rings have not
+    taken yet, ``(start_pos, main_hidden, one_call)``: the last forward's, joined with the one-token
+    steps right before it (a verification). :meth:`catch_up` feeds them to the rings.
+
     Raises:
-        DeepseekV41ModelError: `batch_size` that is not an int >= 1.
+        DeepseekV41ModelError: `batch_size` that is not an int >= 1, `max_rewind` that is not an
+            int >= 0.
     """
 
-    def __init__(self, blocks: nn.ModuleList, batch_size: int):
+    def __init__(self, blocks: nn.ModuleList, batch_size: int, max_rewind: int = 0):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise DeepseekV41ModelError(f"a draft cache holds batch_size >= 1 rows (an int), got {batch_size!r}")
+        if isinstance(max_rewind, bool) or not isinstance(max_rewind, int) or max_rewind < 0:
+            raise DeepseekV41ModelError(f"max_rewind must be an int >= 0, got {max_rewind!r}")
         self.batch_size = batch_size
+        self.max_rewind = max_rewind
         self.next_position: int | None = None
+        self.pending: tuple[int, torch.Tensor, bool] | None = None
         self.rings = [  # each on its block's device
             block.attn.wkv.weight.new_zeros(batch_size, block.attn.window, block.attn.head_dim, dtype=torch.bfloat16)
             for block in blocks
         ]
+        self._kept = [ring.new_zeros(batch_size, ring.size(1) + max_rewind, ring.size(2)) for ring in self.rings] \
+            if max_rewind else None
+
+    def record_forward(self, start: int, main_hidden: torch.Tensor | None, length: int) -> None:
+        """A backbone forward of `length` tokens at `start` on the cache these rings sit on, and its
+        `main_hidden` (None: the forward did not take it, so the rings cannot follow it)."""
+        if main_hidden is None:
+            self.pending = None
+            return
+        one_call = length > 1  # a prompt (or a turn): `forward_spec` seeds it in one call
+        held = self.pending
+        if held is not None and not one_call and not held[2] and held[0] + held[1].size(1) == start \
+                and held[1].size(1) < _PENDING_STEPS:
+            self.pending = (held[0], torch.cat([held[1], main_hidden], dim=1), False)  # consecutive steps
+        else:
+            self.pending = (start, main_hidden, one_call)
+
+    def advance(self, start: int, end: int) -> None:
+        """After a call that wrote positions [start, end): the next call starts at `end`; the
+        kept copies take the rows written."""
+        self.next_position = end
+        if self._kept is None:
+            return
+        for ring, kept in zip(self.rings, self._kept):
+            pos = torch.arange(max(start, end - ring.size(1)), end, device=ring.device)
+            kept[:, pos % kept.size(1)] = ring[:, pos % ring.size(1)]
+
+    def rewind(self, length: int) -> bool:
+        """Put the rings back as they were when the calls had covered the first `length` positions
+        (nothing to do at or past `next_position`). Returns False, changing nothing, when that is
+        further back than `max_rewind` positions."""
+        if self.next_position is None or length >= self.next_position:
+            return True
+        if self._kept is None or self.next_position - length > self.max_rewind or length < 1:
+            return False
+        for ring, kept in zip(self.rings, self._kept):
+            pos = torch.arange(max(0, length - ring.size(1)), length, device=ring.device)
+            rows = kept[:, pos % kept.size(1)]
+            ring.zero_()  # slots of no position yet are zeros, as before the seeding
+            ring[:, pos % ring.size(1)] = rows
+        self.next_position = length
+        return True
 
 
 def draft_step(
@@ -211,18 +285,26 @@ def draft_step(
     main_hidden: torch.Tensor,
     start_pos: int,
     cache: DeepseekV41DraftCache,
+    seed_only: bool = False,
+    pick: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """One call of the draft head after a backbone forward. Mirrors `Transformer.forward_spec`.
 
     Args:
         blocks: the draft blocks (`mtp`); embed, head: the backbone's.
         config: the text config (`dspark_block_size`, `dspark_noise_token_id`, `hc_mult`).
-        token_ids: int64 ``[B]``, the backbone's next token (sampled from its last logits).
+        token_ids: int64 ``[B]``, the backbone's next token (sampled from its last logits); None
+            with `seed_only`.
         main_hidden: bf16 ``[B, S, T*D]`` of that forward (S = prompt length at the prefill, 1 at
             a decode step).
         start_pos: the forward's first position: 0 seeds the rings and drafts nothing; p > 0
             drafts positions p + 2 .. p + bs + 1.
         cache: the rings, written in place.
+        seed_only: only write the rings (what a drafting call at these positions writes), draft
+            nothing: how speculative decoding catches up on the accepted positions before the
+            last, one position per call (a one-position call writes what a draft step writes,
+            bit for bit).
+        pick: how the drafts are chosen (`DeepseekV41DSparkBlock.propose`); None: greedy.
 
     A forward of S > 1 tokens (a prefill chunk at `cache.next_position`) only seeds the rings, as
     does the prefill at 0; a one-token forward after position 0 drafts. Rows are taken to start at
@@ -240,15 +322,15 @@ def draft_step(
             does not continue a prefill.
     """
     first, last = blocks[0], blocks[-1]
-    _check_draft_inputs(config, token_ids, main_hidden, start_pos, cache)
+    _check_draft_inputs(config, token_ids, main_hidden, start_pos, cache, seed_only)
     seqlen = main_hidden.size(1)
     with on_device(cache.rings[0].device):
         main_x = first.main_norm(first.main_proj(main_hidden.to(cache.rings[0].device)))
-    if start_pos == 0 or seqlen > 1:
+    if start_pos == 0 or seqlen > 1 or seed_only:
         for block, ring in zip(blocks, cache.rings):
             with on_device(ring.device):
                 block.seed(main_x.to(ring.device), start_pos, ring)
-        cache.next_position = start_pos + seqlen
+        cache.advance(start_pos, start_pos + seqlen)
         return None
     block_size = config.dspark_block_size
     ids = torch.full((token_ids.size(0), block_size), config.dspark_noise_token_id, dtype=torch.long)
@@ -261,18 +343,20 @@ def draft_step(
             device = ring.device
             x, pre_mix = block.draft(x.to(device), pre_mix.to(device), main_x.to(device), start_pos, ring)
     with on_device(x.device):
-        drafts = last.propose(x, pre_mix, token_ids.long().to(x.device), head)
-    cache.next_position = start_pos + 1
+        drafts = last.propose(x, pre_mix, token_ids.long().to(x.device), head, pick)
+    cache.advance(start_pos, start_pos + 1)
     return drafts
 
 
-def _check_draft_inputs(config, token_ids, main_hidden, start_pos, cache) -> None:
+def _check_draft_inputs(config, token_ids, main_hidden, start_pos, cache, seed_only: bool = False) -> None:
     if main_hidden is None:
         raise DeepseekV41ModelError("main_hidden is None: run the forward with output_main_hidden=True")
     if not isinstance(cache, DeepseekV41DraftCache):
         raise DeepseekV41ModelError(
             f"cache must be the draft head's rings (model.model.draft_cache(batch_size)), got {type(cache).__name__}"
         )
+    if token_ids is None and seed_only and isinstance(main_hidden, torch.Tensor) and main_hidden.dim() == 3:
+        token_ids = torch.zeros(main_hidden.size(0), dtype=torch.long)  # a seeding call reads no token
     if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or not isinstance(main_hidden, torch.Tensor) \
             or main_hidden.dim() != 3 or main_hidden.size(0) != token_ids.size(0):
         got = [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in (token_ids, main_hidden)]
@@ -301,17 +385,19 @@ class DeepseekV41DraftMixin:
     """The draft head's entry points on `DeepseekV41Transformer` (its `mtp`, `embed`, `head`,
     `text_config`)."""
 
-    def draft_cache(self, batch_size: int) -> DeepseekV41DraftCache:
-        """Empty rings for :meth:`draft` (one per draft block, on its device) for `batch_size` rows.
+    def draft_cache(self, batch_size: int, max_rewind: int = 0) -> DeepseekV41DraftCache:
+        """Empty rings for :meth:`draft` (one per draft block, on its device) for `batch_size` rows,
+        able to rewind `max_rewind` positions (`DeepseekV41DraftCache.rewind`).
 
         Raises:
             DeepseekV41ModelError: the model has no draft head, or `batch_size` is not an int >= 1.
         """
         self._check_draft_head()
-        return DeepseekV41DraftCache(self.mtp, batch_size)
+        return DeepseekV41DraftCache(self.mtp, batch_size, max_rewind)
 
     def draft(
-        self, token_ids: torch.Tensor, main_hidden: torch.Tensor, start_pos: int, cache: DeepseekV41DraftCache
+        self, token_ids: torch.Tensor | None, main_hidden: torch.Tensor, start_pos: int, cache: DeepseekV41DraftCache,
+        seed_only: bool = False, pick: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The draft head (DSpark, ``mtp.*``) after a forward with ``output_main_hidden=True``:
         `dspark_deepseek_v41_vl.draft_step` with this model's blocks, embedding and head. Mirrors
@@ -323,6 +409,7 @@ class DeepseekV41DraftMixin:
             start_pos: that forward's first position (0: a prefill, which seeds `cache` and
                 returns None).
             cache: from :meth:`draft_cache`, written in place.
+            seed_only, pick: see :func:`draft_step` (write the rings only; how drafts are chosen).
 
         Returns:
             None after a prefill; after a decode step ``(draft_ids int64 [B, bs + 1], draft_logits
@@ -333,7 +420,36 @@ class DeepseekV41DraftMixin:
                 ``mtp.*``, or ``dspark_block_size`` 0), or inputs that do not fit.
         """
         self._check_draft_head()
-        return draft_step(self.mtp, self.embed, self.head, self.text_config, token_ids, main_hidden, start_pos, cache)
+        return draft_step(
+            self.mtp, self.embed, self.head, self.text_config, token_ids, main_hidden, start_pos, cache, seed_only, pick
+        )
+
+    def feed_draft_rings(self, cache, length: int) -> None:
+        """Feed the draft rings of `cache` (a `DeepseekV41Cache` whose `draft` they are) every
+        position before `length` that they lack, from `DeepseekV41DraftCache.pending`: a prompt
+        in one call (`forward_spec` after a prefill), decode steps one position per call (what a
+        drafting call at each writes, bit for bit).
+
+        Raises:
+            DeepseekV41ModelError: the cache holds positions but no draft rings, or positions the
+                rings lack that are not all pending (forwards without ``output_main_hidden``, or a
+                crop further back than the rings keep).
+        """
+        rings = cache.draft
+        done = 0 if rings is None or rings.next_position is None else rings.next_position
+        if done >= length:
+            return
+        pending = None if rings is None else rings.pending
+        if pending is None or not pending[0] <= done or length > pending[0] + pending[1].size(1):
+            raise DeepseekV41ModelError(
+                f"this cache holds {cache.get_seq_length()} positions, of which the draft head saw {done} (it was "
+                "filled without use_mtp=True, or cropped further back than its draft rings keep): continue it "
+                "without use_mtp, or start the conversation again with use_mtp=True"
+            )
+        start, main_hidden, one_call = pending
+        spans = [(done, length)] if one_call else [(p, p + 1) for p in range(done, length)]
+        for a, b in spans:
+            self.draft(None, main_hidden[:, a - start : b - start], a, rings, seed_only=True)
 
     def _check_draft_head(self) -> None:
         if self.mtp is None:
@@ -372,5 +488,6 @@ __all__ = [
     "draft_blocks",
     "draft_step",
     "dspark_window_idxs",
+    "gather_main_hidden",
     "main_hidden_taps",
 ]

@@ -19,10 +19,15 @@ from transformers.generation.logits_process import SuppressTokensLogitsProcessor
 from .cache_deepseek_v41_vl import DeepseekV41Cache
 from .exceptions_deepseek_v41_vl import DeepseekV41CacheError, DeepseekV41ModelError
 from .conversation_deepseek_v41_vl import images_per_row, select_images
+from .dspark_generation_deepseek_v41_vl import DeepseekV41DSparkCandidateGenerator, check_dspark_request
 
 
 # guards the hand-out of a model's kept static cache between threads
 _KEPT_CACHE_LOCK = threading.Lock()
+# the caches an assisted generation of this thread records the past on (ended with the call)
+_ASSISTED = threading.local()
+# the model kwarg that carries an assisted generation's prompt length to `prepare_inputs_for_generation`
+_PROMPT_LENGTH = "assisted_prompt_length"
 
 
 class DeepseekV41GenerationMixin(GenerationMixin):
@@ -41,7 +46,9 @@ class DeepseekV41GenerationMixin(GenerationMixin):
         there is no check.
 
         Raises:
-            DeepseekV41ModelError: `input_ids` that are not a tensor, or not ``[batch, seq]``
+            DeepseekV41ModelError: ``use_mtp=True`` with beam search, without a cache, or with a
+                second draft source (`assistant_model`, `prompt_lookup_num_tokens`);
+                `input_ids` that are not a tensor, or not ``[batch, seq]``
                 (transformers' `generate` takes no 1-D prompt either: ``ids[None]`` is batch 1); a
                 filled `cache` (or `past_key_values`) with `input_ids` that do not hold more than
                 the cached tokens (give the whole conversation), or an `attention_mask` of another
@@ -59,12 +66,17 @@ class DeepseekV41GenerationMixin(GenerationMixin):
             _check_token_ids(self.model, prompt[:, -1:])
         # the loop's one-token steps come from its own sampling (ids in the vocabulary, never the
         # suppressed image token, the mask extended by one): the model does not read them back
+        check_dspark_request(kwargs, kwargs.get("generation_config") or self.generation_config)
         output = None
+        _ASSISTED.caches = []
         try:
             with self.model.decode_runner.trusting():
                 output = super().generate(*args, **kwargs)
         finally:
-            self._release_kept_cache(getattr(output, "past_key_values", None))
+            for cache in _ASSISTED.caches:  # an assisted generation's recording ends with it
+                cache.end_past_recording()
+            _ASSISTED.caches = []
+            self._release_kept_cache(output.get("cache") if isinstance(output, dict) else None)
         user = kwargs.get("generation_config")
         eos = kwargs.get("eos_token_id", getattr(user, "eos_token_id", None))
         if eos is None:
@@ -134,6 +146,46 @@ class DeepseekV41GenerationMixin(GenerationMixin):
             kept._in_generate = None
             if returned is kept:
                 del self.__dict__["_kept_cache"]
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, is_first_iteration=False, **kwargs):
+        """transformers' inputs, and ``one_token_steps`` for a verification forward: after the
+        first forward of an assisted generation (the cache records its past, see
+        `DeepseekV41Cache.activate_past_recording`), several new tokens are the last one and its
+        drafts, which the model runs as one-token steps (`verification_deepseek_v41_vl.py`).
+        The first forward on a filled cache takes only the tokens it lacks (assisted decoding
+        passes the whole conversation there, unsliced)."""
+        prompt = kwargs.pop(_PROMPT_LENGTH, None)  # an assisted generation's (`_get_candidate_generator`)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if next_sequence_length is None and isinstance(cache, DeepseekV41Cache) and cache.get_seq_length():
+            next_sequence_length = input_ids.size(1) - cache.get_seq_length()
+        inputs = super().prepare_inputs_for_generation(
+            input_ids, next_sequence_length=next_sequence_length, is_first_iteration=is_first_iteration, **kwargs
+        )
+        ids = inputs.get("input_ids")
+        if prompt is not None and isinstance(cache, DeepseekV41Cache) and ids is not None and ids.size(1) > 1:
+            if not is_first_iteration:
+                inputs["one_token_steps"] = True
+            elif input_ids.size(1) > prompt:
+                # a first forward of the prompt and drafts (transformers' prompt lookup, an assistant model)
+                inputs["one_token_steps"] = input_ids.size(1) - prompt
+        return inputs
+
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 *args, **kwargs):
+        """With ``use_mtp=True``, the checkpoint's draft head drafts
+        (:class:`DeepseekV41DSparkCandidateGenerator`); otherwise transformers' choice."""
+        if getattr(generation_config, "use_mtp", None):
+            generator = DeepseekV41DSparkCandidateGenerator(self, generation_config, input_ids, logits_processor, model_kwargs)
+        else:
+            generator = super()._get_candidate_generator(
+                generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, *args, **kwargs
+            )
+        cache = model_kwargs.get("cache")
+        if isinstance(cache, DeepseekV41Cache):
+            # drafts follow the prompt (`prepare_inputs_for_generation`); the loop's kwargs carry it
+            model_kwargs[_PROMPT_LENGTH] = input_ids.size(1)
+            _ASSISTED.caches = [*getattr(_ASSISTED, "caches", []), cache]
+        return generator
 
     def _expand_inputs_for_generation(self, expand_size: int = 1, is_encoder_decoder: bool = False, input_ids=None, **kwargs):
         # pixel_values / image_grid_thw are per image, not per batch row: each row's images are

@@ -42,7 +42,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.modeling_outputs import BaseModelOutputWithPooling as ImageOutput
-from transformers.modeling_outputs import MultimodalBaseModelOutputWithPast, MultimodalCausalLMOutputWithPast
+from transformers.modeling_outputs import MultimodalBaseModelOutputWithPast
 
 from .attention_deepseek_v41_vl import DeepseekV41Attention
 from .attention_state_deepseek_v41_vl import DeepseekV41AttentionState, read_padding, right_padding_lengths
@@ -50,13 +50,13 @@ from .cache_deepseek_v41_vl import DeepseekV41AttentionCache, DeepseekV41Cache
 from .configuration_deepseek_v41_vl import DeepseekV41Config
 from .decode_step_deepseek_v41_vl import DeepseekV41DecodeRunner, check_step_inputs
 from .decoder_layer_deepseek_v41_vl import DeepseekV41DecoderLayer
-from .dspark_deepseek_v41_vl import DeepseekV41DraftMixin, draft_blocks, main_hidden_taps
+from .dspark_deepseek_v41_vl import DeepseekV41DraftMixin, draft_blocks, gather_main_hidden, main_hidden_taps
 from .engram_deepseek_v41_vl import DeepseekV41Engram, DeepseekV41EngramEmbedding, DeepseekV41EngramHash
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from .conversation_deepseek_v41_vl import continuation_images, count_images
 from .generation_deepseek_v41_vl import DeepseekV41GenerationMixin
 from .hyper_connection_deepseek_v41_vl import DeepseekV41HyperConnection, identity_pre_mix
-from .image_spans_deepseek_v41_vl import check_image_spans, image_span_length, llm_grid, parse_image_grid
+from .image_inputs_deepseek_v41_vl import DeepseekV41ImageInputsMixin
 from .layers_deepseek_v41_vl import (
     AbsentAttribute, DeepseekV41DtypeCastMixin, DeepseekV41EmbeddingsMixin, DeepseekV41Head, DeepseekV41RMSNorm,
     default_dtype,
@@ -64,12 +64,15 @@ from .layers_deepseek_v41_vl import (
 from .loading_deepseek_v41_vl import DeepseekV41LoadingMixin
 from .moe_deepseek_v41_vl import DeepseekV41Gate
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, apply_numerics
-from .outputs_deepseek_v41_vl import DeepseekV41TransformerOutput, image_encoder_output, refuse_output_attentions
+from .outputs_deepseek_v41_vl import (
+    DeepseekV41CausalLMOutputWithPast, DeepseekV41TransformerOutput, image_encoder_output, refuse_output_attentions,
+)
 from .quantization_deepseek_v41_vl import DeepseekV41Linear, init_quantized_storage
+from .verification_deepseek_v41_vl import forward_as_steps, join_forwards
 from .vision_deepseek_v41_vl import DeepseekV41VisionAligner, DeepseekV41VisionTransformer
 
 
-class DeepseekV41Transformer(DeepseekV41DraftMixin, nn.Module):
+class DeepseekV41Transformer(DeepseekV41ImageInputsMixin, DeepseekV41DraftMixin, nn.Module):
     """The complete V4.1 VL network with the checkpoint's module names and no prefix.
 
     Mirrors `inference/model.py: Transformer`.
@@ -149,73 +152,6 @@ class DeepseekV41Transformer(DeepseekV41DraftMixin, nn.Module):
         # the image encoders) switches before it computes anything
         if self.text_config.numerics != self.numerics.mode:
             self.set_numerics()
-
-    # -- images ---------------------------------------------------------------------------
-    def get_image_features(
-        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]
-    ) -> torch.Tensor:
-        """Aligner rows of all images, ``[sum n_llm_h * n_llm_w, D]`` bf16, images in order and
-        each row-major. Mirrors `Transformer.encode_image`.
-
-        Raises:
-            DeepseekV41ModelError: the model has no vision tower.
-        """
-        return self.encode_images(pixel_values, image_grid_thw)[1]
-
-    def encode_images(
-        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | Sequence[Sequence[int]], output_hidden_states=False
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """(ViT output ``[sum n_vit_h * n_vit_w, vision width]``, aligner rows ``[sum n_llm_h *
-        n_llm_w, D]``, with `output_hidden_states` the ViT's hidden states
-        (:meth:`DeepseekV41VisionTransformer.forward_with_hidden_states`) else None), all bf16.
-
-        Raises:
-            DeepseekV41ModelError: the model has no vision tower.
-            DeepseekV41VisionInputError: malformed `pixel_values` or `image_grid_thw`.
-        """
-        if not self.vision_enabled:
-            raise DeepseekV41ModelError("this model has no vision tower (vision_config.num_hidden_layers == 0)")
-        self._follow_config_numerics()
-        vit, states = self.vision.forward_with_hidden_states(pixel_values, image_grid_thw, output_hidden_states)
-        return vit, self.aligner(vit, image_grid_thw), states
-
-    def get_image_span_embeddings(
-        self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]
-    ) -> torch.Tensor:
-        """The embedding of every position of every image span, bf16 ``[sum span lengths, D]``.
-
-        Per image ``[image_start, (aligner row) * n_llm_w + image_newline for each of n_llm_h grid
-        rows, image_end]``, images in order: one row per span position (all carry
-        `image_token_id`), in the (batch row, position) order of the spans. The forward scatters
-        these rows into the marked positions (the reference's `merge_image_embeddings`); a chunked
-        prefill passes them, sliced per chunk, as `image_span_embeds` (the images are encoded once).
-
-        Raises:
-            DeepseekV41ModelError: the model has no vision tower.
-            DeepseekV41VisionInputError: malformed `pixel_values` or `image_grid_thw`.
-        """
-        return self._span_embeddings(self.get_image_features(pixel_values, image_grid_thw), image_grid_thw)
-
-    def _span_embeddings(self, features: torch.Tensor, image_grid_thw) -> torch.Tensor:
-        """:meth:`get_image_span_embeddings` from the aligner rows `features`."""
-        dtype = self.embed.weight.dtype
-        spans, row = [], 0
-        for n_h, n_w in self.image_llm_grids(image_grid_thw):
-            grid = features[row : row + n_h * n_w].to(dtype).view(n_h, n_w, -1)
-            row += n_h * n_w
-            newline = self.image_newline.to(dtype).expand(n_h, 1, -1)
-            body = torch.cat([grid, newline], dim=1).flatten(0, 1)
-            spans += [self.image_start.to(dtype)[None], body, self.image_end.to(dtype)[None]]
-        return torch.cat(spans)
-
-    def image_llm_grids(self, image_grid_thw) -> list[tuple[int, int]]:
-        """The aligner grid ``(n_llm_h, n_llm_w)`` of each image (`image_spans_deepseek_v41_vl`).
-
-        Raises:
-            DeepseekV41ModelError: a malformed `image_grid_thw`.
-        """
-        ratio = self.config.vision_config.downsample_ratio
-        return [llm_grid(h, w, ratio) for h, w in parse_image_grid(image_grid_thw, error=DeepseekV41ModelError)]
 
     # -- forward --------------------------------------------------------------------------
     def forward(
@@ -301,6 +237,8 @@ class DeepseekV41Transformer(DeepseekV41DraftMixin, nn.Module):
             raise DeepseekV41ModelError(
                 f"input_ids must lie in [0, {vocab}) (vocab_size); got values from {int(input_ids.min())} to {int(input_ids.max())}"
             )
+        if cache is not None:
+            cache.make_room(input_ids.size(1))
         start_pos = cache.get_seq_length() if cache is not None else 0
 
         if pixel_values is not None and image_span_embeds is not None:
@@ -315,8 +253,6 @@ class DeepseekV41Transformer(DeepseekV41DraftMixin, nn.Module):
         if row_lengths is not None:  # the pads run as tokens after each row's last one
             attention_mask = None
 
-        if cache is not None:
-            cache.make_room(input_ids.size(1))
         hash_ids = None
         if self.engram_hash is not None:
             history = cache.engram_history if cache is not None else None
@@ -347,10 +283,11 @@ class DeepseekV41Transformer(DeepseekV41DraftMixin, nn.Module):
         hidden = self.norm(self.hc.pre(x, pre_mix))
         if collected is not None:
             collected.append(hidden)
+        main_hidden = None if taps is None else gather_main_hidden(taps, hidden.device)
         if cache is not None:
             if pixel_values is not None:  # a later turn given the conversation's images skips these
                 count_images(self, cache, mm_token_type_ids, image_grid_thw)
-            cache.record_tokens(input_ids.size(1), took_images=span_rows is not None)
+            cache.record_tokens(input_ids.size(1), took_images=span_rows is not None, main_hidden=main_hidden)
 
         if logits_to_keep == 1:
             # the reference's default: the GEMM over [B, D] (bitwise what it returns)
@@ -362,62 +299,8 @@ class DeepseekV41Transformer(DeepseekV41DraftMixin, nn.Module):
         return DeepseekV41TransformerOutput(
             logits=logits, cache=cache, last_hidden_state=hidden,
             hidden_states=None if collected is None else tuple(collected), image_outputs=image_outputs,
-            main_hidden=None if taps is None else torch.cat([t.to(hidden.device) for t in taps.values()], -1),
+            main_hidden=main_hidden,
         )
-
-    def _image_positions(self, input_ids, mm_token_type_ids, pixel_values, image_grid_thw, image_span_embeds, output_hidden_states=False):
-        """The image-span mask ``[B, S]`` (None without `mm_token_type_ids`), the rows to
-        scatter into it (None without images) and the encoder output of `pixel_values`
-        (:func:`image_encoder_output`, None without them), after the checks that tie them together: the
-        marks, the placeholder count (and with `pixel_values` whole spans, in order), and the
-        image token id exactly on the marked positions."""
-        if mm_token_type_ids is None:
-            if pixel_values is not None:
-                raise DeepseekV41ModelError("pixel_values were given without mm_token_type_ids marking the image spans")
-            if image_span_embeds is not None:
-                raise DeepseekV41ModelError("image_span_embeds were given without mm_token_type_ids marking their positions")
-            image_mask = None
-        else:
-            if mm_token_type_ids.shape != input_ids.shape:
-                raise DeepseekV41ModelError(
-                    f"mm_token_type_ids {tuple(mm_token_type_ids.shape)} must match input_ids {tuple(input_ids.shape)}"
-                )
-            if bool(((mm_token_type_ids != 0) & (mm_token_type_ids != 1)).any()):
-                raise DeepseekV41ModelError("mm_token_type_ids must hold only 0 (text) and 1 (image span)")
-            image_mask = mm_token_type_ids == 1
-        span_rows = image_outputs = None
-        if pixel_values is not None:
-            lengths = [image_span_length(n_h, n_w) for n_h, n_w in self.image_llm_grids(image_grid_thw)]
-            check_image_spans(image_mask, lengths, error=DeepseekV41ModelError)
-            vit, rows, states = self.encode_images(pixel_values, image_grid_thw, output_hidden_states)
-            span_rows = self._span_embeddings(rows, image_grid_thw)
-            image_outputs = image_encoder_output(vit, rows, states, self.image_llm_grids(image_grid_thw))
-        elif image_span_embeds is not None:
-            # rows already hold each span position's vector; a chunk may hold part of a span
-            n_slots = int(image_mask.sum())
-            if image_span_embeds.dim() != 2 or image_span_embeds.size(0) != n_slots:
-                raise DeepseekV41ModelError(
-                    f"image_span_embeds must be [{n_slots}, D] (one row per marked span position of this "
-                    f"forward), got {tuple(image_span_embeds.shape)}"
-                )
-            span_rows = image_span_embeds
-        elif image_mask is not None and bool(image_mask.any()):
-            raise DeepseekV41ModelError("mm_token_type_ids marks image spans but no pixel_values were given")
-        # the image id stands exactly on the marked positions: one comparison, one host sync per
-        # forward (decode steps included); the two ways to differ are told apart only on failure
-        is_image_id = input_ids == self.config.image_token_id
-        mismatch = is_image_id if image_mask is None else is_image_id != image_mask
-        if not bool(mismatch.any()):
-            return image_mask, span_rows, image_outputs
-        if image_mask is not None and bool((image_mask & ~is_image_id).any()):
-            raise DeepseekV41ModelError(f"every image-span position must carry image_token_id {self.config.image_token_id}")
-        row, col = torch.nonzero(mismatch)[0].tolist()  # now an image id outside the marks
-        raise DeepseekV41ModelError(
-            f"input_ids holds image_token_id {self.config.image_token_id} outside an image span (batch row {row}, "
-            f"position {col}): the image token stands only for the positions that mm_token_type_ids marks and "
-            "pixel_values fill (the processor writes both)"
-        )
-
 
 class DeepseekV41PreTrainedModel(DeepseekV41DtypeCastMixin, DeepseekV41LoadingMixin, PreTrainedModel):
     """Base class: config class, weight init, loading rules and device-map constraints.
@@ -447,13 +330,17 @@ class DeepseekV41PreTrainedModel(DeepseekV41DtypeCastMixin, DeepseekV41LoadingMi
     supports_gradient_checkpointing = True
     _no_split_modules = ["DeepseekV41DecoderLayer", "DeepseekV41DSparkBlock", "DeepseekV41VisionBlock"]
     _keys_to_ignore_on_load_missing = [r"^model\.mtp\."]  # a folder without a draft head: `settle_draft_head`
+    # a `convert --link` folder's fp8 wo_a scales, which `load_official_layout` consumes after
+    # transformers' own pass (which would report them unexpected)
+    _keys_to_ignore_on_load_unexpected = [r"(^|\.)attn\.wo_a\.scale$"]
     _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_sdpa = False
     _supports_flash_attn = False
     _supports_flex_attn = False
     _can_compile_fullgraph = False
-    # the decode state cannot be rolled back (assisted decoding is refused)
-    _is_stateful = True
+    # the decode state rolls back once the cache records its past (assisted decoding, DSpark):
+    # verification forwards run as one-token steps, each of which `DeepseekV41Cache.crop` can return to
+    _is_stateful = False
 
     def _build_transformer(self, config: DeepseekV41Config) -> None:
         self.model = DeepseekV41Transformer(config)
@@ -567,6 +454,9 @@ class DeepseekV41PreTrainedModel(DeepseekV41DtypeCastMixin, DeepseekV41LoadingMi
         inputs_embeds: torch.Tensor | None,
         logits_to_keep: int,
         output_hidden_states: bool | None = None,
+        output_main_hidden: bool = False,
+        one_token_steps: bool | int = False,
+        verify_stop=None,
     ) -> DeepseekV41TransformerOutput:
         if inputs_embeds is not None:
             raise DeepseekV41ModelError(
@@ -592,17 +482,59 @@ class DeepseekV41PreTrainedModel(DeepseekV41DtypeCastMixin, DeepseekV41LoadingMi
             mm_token_type_ids, pixel_values, image_grid_thw = continuation_images(
                 self.model, input_ids, mm_token_type_ids, pixel_values, image_grid_thw, cache
             )
-        return self.model(
-            input_ids,
-            attention_mask=attention_mask,
-            mm_token_type_ids=mm_token_type_ids,
-            pixel_values=pixel_values,
-            image_grid_thw=image_grid_thw,
-            cache=cache,
-            logits_to_keep=logits_to_keep,
-            output_hidden_states=self.config.output_hidden_states if output_hidden_states is None else output_hidden_states,
-            row_lengths=row_lengths,
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        forward = dict(
+            mm_token_type_ids=mm_token_type_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+            cache=cache, logits_to_keep=logits_to_keep, output_hidden_states=output_hidden_states,
+            row_lengths=row_lengths, output_main_hidden=output_main_hidden,
         )
+        if not one_token_steps:
+            return self.model(input_ids, attention_mask=attention_mask, **forward)
+        return self._forward_then_steps(input_ids, attention_mask, one_token_steps, forward, verify_stop)
+
+    def _forward_then_steps(self, input_ids, attention_mask, one_token_steps, forward: dict,
+                            verify_stop=None) -> DeepseekV41TransformerOutput:
+        """The first new tokens as one forward of the backbone, the last `one_token_steps` (all for
+        True) as one-token steps (`forward_as_steps`), one output for both."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            return self.model(input_ids, attention_mask=attention_mask, **forward)  # refused there, by name
+        length = input_ids.size(1)
+        steps = _step_count(one_token_steps, length) if length > 1 else 0  # one token is a step as it is
+        head = length - steps
+        keep, types = forward["logits_to_keep"], forward["mm_token_type_ids"]
+        if not steps:
+            return self.model(input_ids, attention_mask=attention_mask, **forward)
+        if forward["pixel_values"] is not None and not head:
+            raise DeepseekV41ModelError("one_token_steps takes text tokens only: these hold new images")
+        first = None
+        if head:
+            first = self.model(
+                input_ids[:, :head],
+                attention_mask=None if attention_mask is None else attention_mask[:, : attention_mask.size(1) - steps],
+                **{**forward, "mm_token_type_ids": None if types is None else types[:, :head],
+                   "logits_to_keep": max(keep - steps, 1) if keep else 0},
+            )
+        then = forward_as_steps(
+            self.model, input_ids[:, head:], attention_mask, None if types is None else types[:, head:],
+            forward["cache"], min(keep, steps) if keep else 0, forward["output_hidden_states"],
+            forward["output_main_hidden"], verify_stop,
+        )
+        return then if first is None else join_forwards(first, then, keep)
+
+
+def _step_count(one_token_steps, length: int) -> int:
+    """How many of `length` new tokens run as one-token steps: all for True, the last n for an int n."""
+    if one_token_steps is True:
+        return length
+    if one_token_steps is False or one_token_steps is None:
+        return 0
+    if isinstance(one_token_steps, bool) or not isinstance(one_token_steps, int) or not 0 <= one_token_steps <= length:
+        raise DeepseekV41ModelError(
+            f"one_token_steps must be a bool or an int in [0, {length}] (the last new tokens run as steps), got "
+            f"{one_token_steps!r}"
+        )
+    return one_token_steps
 
 
 class DeepseekV41Model(DeepseekV41EmbeddingsMixin, DeepseekV41PreTrainedModel):
@@ -683,8 +615,11 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41EmbeddingsMixin, DeepseekV4
         output_hidden_states: bool | None = None,
         output_attentions: bool | None = None,
         return_dict: bool | None = None,
+        output_main_hidden: bool = False,
+        one_token_steps: bool | int = False,
+        verify_stop=None,
         **kwargs,
-    ) -> MultimodalCausalLMOutputWithPast | tuple:
+    ) -> DeepseekV41CausalLMOutputWithPast | tuple:
         """Prefill (empty or no cache), a next turn on a filled cache, or a one-token decode step.
 
         Args:
@@ -709,18 +644,33 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41EmbeddingsMixin, DeepseekV4
             output_attentions: refused when true (or None and `config.output_attentions`).
             return_dict: False returns the output's `to_tuple()` (loss first when labels are
                 given); None follows `config.return_dict`.
+            output_main_hidden: also return ``main_hidden``, what the draft head reads (see
+                `DeepseekV41Transformer.draft`; refused without a draft head or with left padding).
+            one_token_steps: run the new tokens (True) or the last n of them (an int n) as
+                successive one-token decode steps after one forward of the others
+                (`verification_deepseek_v41_vl.forward_as_steps`): each stepped position's logits
+                and cache state are plain decoding's, and the cache can be cropped after any of
+                them. Speculative decoding's verification forward; `generate` sets it there.
+            verify_stop: with `one_token_steps`, ``verify_stop(j, logits, input_ids) -> bool``
+                ends the steps after step j (`forward_as_steps`'s `stop`; greedy DSpark
+                generation passes it to skip the steps after a rejected draft).
             kwargs: reach `loss_function` (`num_items_in_batch`, `shift_labels`, ...).
 
         Returns:
-            `MultimodalCausalLMOutputWithPast`: ``logits`` fp32 ``[B, K, V]``, ``cache``, ``loss``,
-            ``image_outputs`` (as :meth:`get_image_features`; None without `pixel_values`); or its tuple.
+            `DeepseekV41CausalLMOutputWithPast` (transformers' `MultimodalCausalLMOutputWithPast`
+            and ``main_hidden``): ``logits`` fp32 ``[B, K, V]``, ``cache``, ``loss``,
+            ``image_outputs`` (as :meth:`get_image_features`; None without `pixel_values`),
+            ``main_hidden`` bf16 ``[B, S, T*D]`` with `output_main_hidden`; or its tuple.
 
         Raises:
             DeepseekV41ModelError: `output_attentions`, inputs_embeds, a cache of another type,
-                image spans that do not fit the images (see `continuation_images` for a filled cache).
+                image spans that do not fit the images (see `continuation_images` for a filled cache);
+                `one_token_steps` with labels, without a filled cache or with images.
             DeepseekV41AttentionError: more than one token per decode step; right padding with a cache.
         """
         refuse_output_attentions(self.config, output_attentions)
+        if labels is not None and one_token_steps:
+            raise DeepseekV41ModelError("one_token_steps is a decoding forward: it takes no labels")
         if labels is not None:
             logits_to_keep = 0
             use_cache = False if use_cache is None else use_cache  # training: no cache unless asked
@@ -731,15 +681,16 @@ class DeepseekV41ForConditionalGeneration(DeepseekV41EmbeddingsMixin, DeepseekV4
         out = self._run(
             input_ids, attention_mask, mm_token_type_ids, pixel_values, image_grid_thw,
             cache if cache is not None else past_key_values, use_cache, inputs_embeds, logits_to_keep,
-            output_hidden_states,
+            output_hidden_states, output_main_hidden, one_token_steps, verify_stop,
         )
         loss = None
         if labels is not None:
             loss = self.loss_function(
                 logits=out.logits, labels=labels, vocab_size=self.config.text_config.vocab_size, **kwargs
             )
-        output = MultimodalCausalLMOutputWithPast(loss=loss, logits=out.logits, cache=out.cache,
-                                                  hidden_states=out.hidden_states, image_outputs=out.image_outputs)
+        output = DeepseekV41CausalLMOutputWithPast(loss=loss, logits=out.logits, cache=out.cache,
+                                                   hidden_states=out.hidden_states, image_outputs=out.image_outputs,
+                                                   main_hidden=out.main_hidden)
         return output if self._returns_dict(return_dict) else output.to_tuple()
 
 
@@ -749,7 +700,10 @@ class DeepseekV41ForCausalLM(DeepseekV41ForConditionalGeneration):
 
     input_modalities = ("text",)
     # a VL folder loads: its vision weights are expected to be left unused
-    _keys_to_ignore_on_load_unexpected = [r"^model\.(vision|aligner)\.", r"^model\.image_(start|end|newline)$"]
+    _keys_to_ignore_on_load_unexpected = [
+        *DeepseekV41PreTrainedModel._keys_to_ignore_on_load_unexpected,
+        r"^model\.(vision|aligner)\.", r"^model\.image_(start|end|newline)$",
+    ]
 
     def __init__(self, config: DeepseekV41Config):
         if config.vision_config.num_hidden_layers:
@@ -775,7 +729,7 @@ class DeepseekV41ForCausalLM(DeepseekV41ForConditionalGeneration):
         return_dict: bool | None = None,
         pixel_values: torch.Tensor | None = None,
         **kwargs,
-    ) -> CausalLMOutputWithPast | tuple:
+    ) -> DeepseekV41CausalLMOutputWithPast | tuple:
         """Text-only :meth:`DeepseekV41ForConditionalGeneration.forward` (same arguments, no images).
 
         Raises:

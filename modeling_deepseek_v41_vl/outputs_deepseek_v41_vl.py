@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from transformers.modeling_outputs import BaseModelOutputWithPooling
+from transformers.modeling_outputs import BaseModelOutputWithPooling, MultimodalCausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
@@ -47,6 +47,18 @@ class DeepseekV41TransformerOutput(ModelOutput):
     last_hidden_state: torch.Tensor | None = None
     hidden_states: tuple[torch.Tensor, ...] | None = None
     image_outputs: BaseModelOutputWithPooling | None = None
+    main_hidden: torch.Tensor | None = None
+
+
+@dataclass
+class DeepseekV41CausalLMOutputWithPast(MultimodalCausalLMOutputWithPast):
+    """transformers' `MultimodalCausalLMOutputWithPast` and the draft head's input.
+
+    Attributes:
+        main_hidden: with ``output_main_hidden=True``, bf16 ``[B, S, T*D]`` (see
+            :class:`DeepseekV41TransformerOutput`), else None.
+    """
+
     main_hidden: torch.Tensor | None = None
 
 
@@ -90,4 +102,4 @@ def refuse_output_attentions(config, output_attentions: bool | None) -> None:
         )
 
 
-__all__ = ["DeepseekV41TransformerOutput", "image_encoder_output", "refuse_output_attentions"]
+__all__ = ["DeepseekV41CausalLMOutputWithPast", "DeepseekV41TransformerOutput", "image_encoder_output", "refuse_output_attentions"]

@@ -94,6 +94,17 @@ def converted_tiny_fp8(golden, tmp_path_factory) -> Path:
     return dst
 
 
+@pytest.fixture(scope="session")
+def converted_tiny_dspark(golden, tmp_path_factory) -> Path:
+    """The golden `model_tiny_dspark` (model_tiny_fp8's backbone with a DSpark draft head) through
+    a default `convert_checkpoint`, once per session. Read-only."""
+    from deepseek_v41_vl.conversion.convert import convert_checkpoint
+
+    dst = tmp_path_factory.mktemp("converted") / "tiny_dspark"
+    convert_checkpoint(golden / "model_tiny_dspark", dst, progress=False)
+    return dst
+
+
 @pytest.fixture(scope="module")
 def tiny_model(converted_tiny_fp8):
     """The converted golden `model_tiny_fp8` folder through `AutoModelForImageTextToText`, in exact

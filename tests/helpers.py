@@ -48,3 +48,46 @@ def conversation_turns(processor, photos: list) -> tuple:
     whole = processor(images=photos[:2], text=TURN1 + TURN2, return_tensors="pt")
     assert torch.equal(whole["input_ids"], torch.cat([first["input_ids"], second["input_ids"]], dim=1))
     return first, second, whole
+
+
+def cache_state(cache) -> list[tuple[str, object]]:
+    """Everything a later forward reads (and the stale slots it does not), as (name, value)."""
+    att = cache.attention
+    state = [
+        ("length", cache.get_seq_length()), ("attention.seen_tokens", att.seen_tokens),
+        ("publisher", att.index_k_publisher), ("publisher_rows", att.index_k_publisher_rows),
+        ("pad_offsets", att.pad_offsets), ("prefill_length", att.prefill_length),
+        ("engram_history", cache.engram_history), ("image_counts", cache.image_counts),
+    ]
+    for layer_id, s in sorted(att.layers.items()):
+        state += [(f"{layer_id}.window_kv", s.window_kv), (f"{layer_id}.compressor_kv", s.compressor_kv),
+                  (f"{layer_id}.compressor_score", s.compressor_score)]
+        for name in ("compressed_kv", "index_k"):
+            buffer = getattr(s, name)
+            state.append((f"{layer_id}.{name}", None if buffer is None else (buffer.length, buffer.rows(buffer.length))))
+    return state
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def differences(got, want) -> list[str]:
+    """The names of `cache_state` entries in which caches (or snapshots) `got` and `want` differ."""
+    got = got if isinstance(got, list) else cache_state(got)
+    want = want if isinstance(want, list) else cache_state(want)
+    return [name for (name, a), (_, b) in zip(got, want) if not _same(a, b)]
+
+
+def snapshot(cache) -> list[tuple[str, object]]:
+    """`cache_state` with every tensor copied: the state as it is now."""
+    def copy(value):
+        if isinstance(value, torch.Tensor):
+            return value.clone()
+        return tuple(copy(v) for v in value) if isinstance(value, tuple) else value
+
+    return [(name, copy(value)) for name, value in cache_state(cache)]

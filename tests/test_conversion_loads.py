@@ -127,8 +127,9 @@ def test_link_folder_loads_and_gives_golden_vl_logits_bit_for_bit(link_dir, vl_r
     index = json.loads((link_dir / "model.safetensors.index.json").read_text())
     assert index["metadata"]["layout"] == "official"
     assert "layers.0.attn.wo_a.scale" in index["weight_map"]  # official names: the load-time transform is needed
-    model = AutoModelForImageTextToText.from_pretrained(link_dir, numerics="exact")
+    model, info = AutoModelForImageTextToText.from_pretrained(link_dir, numerics="exact", output_loading_info=True)
     assert type(model) is DeepseekV41ForConditionalGeneration
+    assert not any(info.values()), info  # the wo_a scales are consumed by the load-time transform, not left over
     # wo_a is fp8 + scale in the source and dequantized bf16 in the model
     assert model.model.layers[0].attn.wo_a.weight.dtype == torch.bfloat16
     assert {torch.float4_e2m1fn_x2, torch.float8_e4m3fn, torch.float8_e8m0fnu} <= {p.dtype for p in model.parameters()}

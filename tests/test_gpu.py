@@ -30,6 +30,7 @@ No test asserts a time.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -285,6 +286,50 @@ def test_draft_head_on_gpu_follows_the_reference(golden, run):
     _METRICS[f"dspark/{run}"] = {"draft_logits_rel_l2": errors, "draft_ids_agree": agree}
     assert max(errors) < 0.15, errors
     assert sum(agree) / len(agree) >= 0.8, agree
+
+
+def test_dspark_generation_on_gpu_gives_plain_greedy_tokens(golden, converted_tiny_dspark, monkeypatch):
+    """[dspark] `generate(use_mtp=True)` in fast numerics, graph-replayed steps: the verification
+    runs the engine's one-token steps and the cache is cropped back to the accepted ones, so greedy
+    gives plain greedy's tokens, with the draft head's own drafts and with drafts forced from the
+    plain run (accepted in full, in part, not at all). The steps are the same graph replays on the
+    same state, so the tokens are expected equal; a difference is recorded with plain greedy's
+    logit margin at the first one (a near-tie or not)."""
+    from transformers import AutoModelForImageTextToText
+
+    from deepseek_v41_vl.modeling.dspark_generation_deepseek_v41_vl import DeepseekV41DSparkCandidateGenerator
+
+    model = AutoModelForImageTextToText.from_pretrained(converted_tiny_dspark, numerics="fast", device_map=0)
+    inputs, _ = hf_vl_inputs(golden, converted_tiny_dspark)
+    n, new = inputs["input_ids"].size(1), 24
+    plain = model.generate(**inputs, do_sample=False, max_new_tokens=new, output_scores=True, return_dict_in_generate=True)
+    runs = {"own drafts": model.generate(**inputs, do_sample=False, max_new_tokens=new, use_mtp=True,
+                                         assistant_confidence_threshold=0.0)}
+    schedule = itertools.cycle([(3, None), (4, 2), (2, 0), (5, None), (3, 1)])  # (drafts, the one spoiled)
+    original, matches = DeepseekV41DSparkCandidateGenerator.get_candidates, []
+
+    def forced(self, input_ids, *args, is_first_iteration=False, **kwargs):
+        ids, logits = original(self, input_ids, *args, is_first_iteration=is_first_iteration, **kwargs)
+        if is_first_iteration:
+            return ids, logits
+        count, spoiled = next(schedule)
+        drafts = plain.sequences[0, input_ids.size(1) : input_ids.size(1) + count].clone()
+        if spoiled is not None and spoiled < drafts.numel():
+            drafts[spoiled] = 3 if drafts[spoiled] != 3 else 4
+        return torch.cat([input_ids, drafts[None]], dim=1), None
+
+    monkeypatch.setattr(DeepseekV41DSparkCandidateGenerator, "get_candidates", forced)
+    monkeypatch.setattr(DeepseekV41DSparkCandidateGenerator, "update_candidate_strategy",
+                        lambda self, ids, scores, m: matches.append(int(m)))
+    runs["forced drafts"] = model.generate(**inputs, do_sample=False, max_new_tokens=new, use_mtp=True)
+    assert {3, 4} & set(matches) and 0 in matches, matches
+    want = plain.sequences[0, n:]
+    for name, out in runs.items():
+        got = out[0, n:]
+        differ = (got != want).nonzero().flatten().tolist()
+        margin = float(plain.scores[differ[0]][0].topk(2).values.diff().abs()) if differ else None
+        _METRICS[f"dspark_generate/{name}"] = {"first_difference": differ[:1], "margin_there": margin}
+        assert not differ, (name, differ[0], margin)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["one-row", "left-padded"])
