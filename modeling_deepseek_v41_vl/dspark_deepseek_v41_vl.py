@@ -212,7 +212,8 @@ class DeepseekV41DraftCache:
     When the rings sit on a `DeepseekV41Cache` (`DeepseekV41Cache.draft`), the cache hands them each
     forward's `main_hidden` (:meth:`record_forward`) and `pending` holds what the rings have not
     taken yet, ``(start_pos, main_hidden, one_call)``: the last forward's, joined with the one-token
-    steps right before it (a verification). :meth:`catch_up` feeds them to the rings.
+    steps right before it (a verification). `DeepseekV41DraftMixin.feed_draft_rings` feeds them to
+    the rings.
 
     Raises:
         DeepseekV41ModelError: `batch_size` that is not an int >= 1, `max_rewind` that is not an
