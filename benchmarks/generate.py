@@ -101,6 +101,40 @@ def timed_generate(model, inputs, new_tokens: int, device) -> float:
     return time.perf_counter() - start
 
 
+_PLAIN: dict = {}  # what `use_compiled_step` replaces: (module, name) -> the original function
+
+
+def use_compiled_step(on: bool) -> None:
+    """Decode steps through ``torch.compile`` (Inductor, default mode) or as written (`--compile`).
+
+    Patches the engine's step function (`decode_model_step`, which the decode runner runs and
+    captures into its CUDA graphs) with its compiled version. Dynamo does not trace the Python
+    wrappers of the Triton kernels (Inductor fails to compile them as user kernels: it passes
+    their float scalars as fp64): each wrapper the modeling modules imported is made opaque with
+    ``torch.compiler.disable``, so Inductor fuses the torch ops between two kernels."""
+    import importlib
+    import pkgutil
+    import types
+
+    import deepseek_v41_vl.modeling as package
+    import deepseek_v41_vl.modeling.decode_step_deepseek_v41_vl as engine
+
+    if not _PLAIN:
+        _PLAIN[(engine, "decode_model_step")] = engine.decode_model_step
+        for info in pkgutil.iter_modules(package.__path__):
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            for name, value in list(vars(module).items()):
+                if isinstance(value, types.FunctionType) and (value.__module__ or "").startswith("deepseek_v41_vl.triton_ops"):
+                    _PLAIN[(module, name)] = value
+    for (module, name), plain in _PLAIN.items():
+        if not on:
+            setattr(module, name, plain)
+        elif name == "decode_model_step":
+            setattr(module, name, torch.compile(plain, dynamic=False))
+        else:
+            setattr(module, name, torch.compiler.disable(plain))
+
+
 def graph_captures(model) -> int:
     """Decode CUDA graphs (one per whole-model step shape) the model's decode runner has captured so far."""
     return model.model.decode_runner.captures
@@ -306,6 +340,9 @@ def main(argv=None) -> int:
                         help="also profile decode steps of B distinct text prompts (GPU kernel time per step)")
     parser.add_argument("--dspark", action="store_true",
                         help="also the DSpark tables (benchmarks/dspark.py): verification of 1 + k tokens, the draft head")
+    parser.add_argument("--compile", choices=("off", "on", "both"), default="off",
+                        help="decode steps through torch.compile (`use_compiled_step`); both: the image "
+                             "case and its profile as written, then compiled, in one run")
     parser.add_argument("--host-profile", action="store_true",
                         help="also cProfile the host side of decode steps of the image case (stderr)")
     args = parser.parse_args(argv)
@@ -351,10 +388,32 @@ def main(argv=None) -> int:
         return chat_inputs(processor, [(f"Say {n} in words.", []) for n in range(100, 100 + b)], device)
 
     photo = PHOTOS[0]
-    if "image" in args.cases:
-        row("image chat prompt", chat_inputs(processor, [(TEXT, [photo])], device), loop=True)
-    if args.profile:
-        profile_rows(chat_inputs(processor, [(TEXT, [photo])], device), "image prompt, batch 1")
+    variants = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    variants_out = []
+    for compiled in variants:
+        use_compiled_step(compiled)
+        model.__dict__.pop("_kept_cache", None)  # a kept cache keeps the other variant's step graph
+        label = "" if args.compile == "off" else (" (torch.compile)" if compiled else " (not compiled)")
+        if "image" in args.cases:
+            start = time.perf_counter()
+            row("image chat prompt" + label, chat_inputs(processor, [(TEXT, [photo])], device), loop=True)
+            if args.compile != "off":
+                lines.append(f"- the row above took {time.perf_counter() - start:.0f} s (compiles included)")
+        if args.profile:
+            profile_rows(chat_inputs(processor, [(TEXT, [photo])], device), "image prompt, batch 1" + label)
+        if args.compile == "both":
+            inputs = chat_inputs(processor, [(TEXT, [photo])], device)
+            out = model.generate(**inputs, do_sample=False, max_new_tokens=args.steps, min_new_tokens=args.steps,
+                                 output_scores=True, return_dict_in_generate=True)
+            variants_out.append((out.sequences, torch.stack(out.scores)))
+    if len(variants_out) == 2:
+        (plain, plain_scores), (compiled, compiled_scores) = variants_out
+        same = int((plain == compiled).all(0).cumprod(0).sum()) - inputs["input_ids"].shape[1]
+        finite = plain_scores.isfinite()  # the image token's logit is -inf in both
+        rel = float((plain_scores - compiled_scores)[finite].norm() / plain_scores[finite].norm())
+        lines.append(f"- compiled against plain greedy, {args.steps} tokens: the first {same} equal; "
+                     f"logits rel L2 {rel:.2e} (first differing token: {'none' if same == args.steps else same})")
+        print(lines[-1], flush=True)
     if args.dspark:
         from dspark import dspark_lines
 

@@ -41,7 +41,7 @@ from .attention_deepseek_v41_vl import decode_rows
 from .attention_state_deepseek_v41_vl import DeepseekV41DecodeStep, check_mask_shape, check_same_padding, left_padding_offsets
 from .cache_deepseek_v41_vl import DeepseekV41Cache
 from .cuda_graphs_deepseek_v41_vl import GraphedSegment, graph_pool
-from .dspark_deepseek_v41_vl import gather_main_hidden, main_hidden_taps
+from .dspark_deepseek_v41_vl import DeepseekV41DraftCache, draft_forward, gather_main_hidden, main_hidden_taps
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from .hyper_connection_deepseek_v41_vl import identity_pre_mix
 
@@ -130,6 +130,12 @@ def _captured_step(context: tuple, *args):
     return decode_model_step(*fixed, *args, main_hidden=main_hidden)
 
 
+def _captured_draft(context: tuple, *args):
+    # the draft head's forward a graph captures: `context` = (model, rings), fixed for the graph
+    model, rings = context
+    return draft_forward(model.mtp, model.embed, model.head, model.text_config, *args, rings)
+
+
 def _hooked(modules) -> bool:
     if _global_forward_hooks or _global_forward_pre_hooks:
         return True
@@ -182,7 +188,9 @@ class DeepseekV41DecodeRunner:
         self.graphs = True
         self.captures = 0
         self._watched: tuple[int, list] | None = None  # (structure version, modules)
+        self._draft_watched: tuple[int, list] | None = None  # the same for the draft head
         _StructureVersion.install()
+
 
     @contextlib.contextmanager
     def trusting(self):
@@ -245,6 +253,48 @@ class DeepseekV41DecodeRunner:
             and (layer.engram is None or all(p.device == device for p in layer.engram.parameters()))
             for layer in model.layers
         )
+
+    def draft_replay(self, model, cache: DeepseekV41DraftCache, batch: int, start_pos: int):
+        """How the draft head's forward of a decode step at `start_pos` runs (`draft_step`'s
+        `replay`): a function replaying `dspark_deepseek_v41_vl.draft_forward` from a CUDA graph
+        (captured once per batch size, numerics plan and weights, kept on `cache`), or None to
+        run it eagerly. It replays on CUDA in fast numerics without autograd, once the ring holds
+        a whole window (`start_pos + 1 >= W`: before that the rows read grow with the position),
+        with the draft blocks, the embedding and the head on the rings' device, no hook on their
+        modules, no offload, and every op free of host synchronisation at ``batch x bs`` rows."""
+        device = cache.rings[0].device
+        if not (self.graphs and device.type == "cuda") or model.numerics.exact or torch.is_grad_enabled():
+            return None
+        if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+            return None
+        if start_pos + 1 < cache.rings[0].size(1):
+            return None
+        if any(ring.device != device for ring in cache.rings) or model.embed.weight.device != device \
+                or model.head.weight.device != device or any(_offloaded(block) for block in model.mtp):
+            return None
+        if self._draft_watched is None or self._draft_watched[0] != _StructureVersion.value:
+            # every module but the routed experts (the expert kernels call them, as in `applies`)
+            experts = {id(m) for block in model.mtp for m in block.ffn.experts.modules()}
+            watched = [m for m in (*model.mtp.modules(), model.embed, model.head) if id(m) not in experts]
+            self._draft_watched = (_StructureVersion.value, watched)
+        if _hooked(self._draft_watched[1]):
+            return None
+        rows = batch * model.text_config.dspark_block_size
+        if not all(block.attn.sparse_attention_graph_safe(device) and block.ffn.runs_without_host_sync(rows, device)
+                   for block in model.mtp):
+            return None
+        segment = cache.graphs.get("draft")
+        if segment is None:
+            segment = cache.graphs["draft"] = GraphedSegment(_captured_draft, graph_pool(device))
+        key = (model.numerics, model.decode_identity, model.weights_epoch, _StructureVersion.value)
+
+        def run(*args):
+            before = segment.captures
+            out = segment(*args, key=key, context=(model, cache.rings))
+            self.captures += segment.captures - before
+            return out
+
+        return run
 
     # -- a step -------------------------------------------------------------------------------
     def widths(self, model, cache: DeepseekV41Cache) -> dict[int, int]:

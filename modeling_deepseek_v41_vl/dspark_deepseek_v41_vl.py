@@ -30,6 +30,7 @@ functions here take them as arguments.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -127,53 +128,65 @@ class DeepseekV41DSparkBlock(DeepseekV41DecoderLayer):
 
     decode_step = forward
 
-    def main_kv(self, main_x: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """The ring rows of `main_x` ``[B, S, D]`` at positions start_pos .. start_pos + S - 1:
+    def main_kv(self, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The ring rows of `main_x` ``[B, S, D]`` at `positions` (int64 ``[S]``, on its device):
         `wkv`, `kv_norm`, RoPE, fp8 fake-quant, bf16 ``[B, S, head_dim]``."""
-        positions = torch.arange(start_pos, start_pos + main_x.size(1), device=main_x.device)
         return self.attn.window_kv_rows(main_x, self.attn.rotary(positions))
 
     def seed(self, main_x: torch.Tensor, start_pos: int, ring: torch.Tensor) -> None:
         """A prefill's (or prefill chunk's) part: write the last `window` rows of main_x, positions
         start_pos .. start_pos + S - 1, into `ring` ``[B, W, head_dim]`` (position t in slot t % W)."""
-        kv = self.main_kv(main_x, start_pos).detach()  # the rings keep no autograd graph between steps
+        positions = torch.arange(start_pos, start_pos + main_x.size(1), device=main_x.device)
+        kv = self.main_kv(main_x, positions).detach()  # the rings keep no autograd graph between steps
         seqlen, window = kv.size(1), ring.size(1)
         keep = min(seqlen, window)
         slots = torch.arange(start_pos + seqlen - keep, start_pos + seqlen, device=kv.device) % window
         ring[:, slots] = kv[:, seqlen - keep :]
 
     def draft(
-        self, x: torch.Tensor, pre_mix: torch.Tensor, main_x: torch.Tensor, start_pos: int, ring: torch.Tensor
+        self, x: torch.Tensor, pre_mix: torch.Tensor, main_x: torch.Tensor, position: torch.Tensor,
+        idxs: torch.Tensor, ring: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block on the draft tokens of a step at `start_pos` (> 0): x bf16 ``[B, bs, hc, D]``,
-        pre_mix fp32 ``[B, bs, hc]``, main_x ``[B, 1, D]``; writes ring slot ``start_pos % W``.
-        Returns ``(x, f_pre)`` as a backbone block does (`Block.forward`, text routing)."""
+        """The block on the draft tokens of a step at position p (> 0): x bf16 ``[B, bs, hc, D]``,
+        pre_mix fp32 ``[B, bs, hc]``, main_x ``[B, 1, D]``, position int64 ``[1]`` holding p,
+        idxs int32 from :func:`dspark_window_idxs`; writes ring slot ``p % W``. Reads no host
+        value. Returns ``(x, f_pre)`` as a backbone block does (`Block.forward`, text routing)."""
         hc = self.hc
         attn_pre, attn_post, attn_comb = hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
-        f = self._attention(hc.pre_norm(x, pre_mix, self.attn_norm), main_x, start_pos, ring)
+        f = self._attention(hc.pre_norm(x, pre_mix, self.attn_norm), main_x, position, idxs, ring)
         return self._ffn_half(f, x, attn_pre, attn_post, attn_comb)
 
-    def _attention(self, x: torch.Tensor, main_x: torch.Tensor, start_pos: int, ring: torch.Tensor) -> torch.Tensor:
+    def _attention(
+        self, x: torch.Tensor, main_x: torch.Tensor, position: torch.Tensor, idxs: torch.Tensor, ring: torch.Tensor
+    ) -> torch.Tensor:
         # `DSparkAttention.forward` after position 0: x bf16 [B, bs, D] (the attn_norm output)
         attn = self.attn
-        bsz, block_size, _ = x.shape
-        ring[:, start_pos % ring.size(1)] = self.main_kv(main_x, start_pos)[:, 0].detach()
-        freqs = attn.rotary(torch.arange(start_pos + 1, start_pos + 1 + block_size, device=x.device))
+        block_size = x.size(1)
+        ring.index_copy_(1, position % ring.size(1), self.main_kv(main_x, position).detach())
+        freqs = attn.rotary(position + 1 + torch.arange(block_size, device=x.device))
         q = attn.queries(attn.q_norm(attn.wq_a(x)), freqs)
         kv = torch.cat([ring, attn.window_kv_rows(x, freqs)], dim=1)
-        idxs = dspark_window_idxs(ring.size(1), bsz, block_size, start_pos, x.device)
         return attn.output(attn._sparse(q, kv, idxs), freqs)
 
+    def head_logits(
+        self, x: torch.Tensor, pre_mix: torch.Tensor, head: DeepseekV41Head
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last block's outputs x bf16 ``[B, bs, hc, D]``, pre_mix fp32 ``[B, bs, hc]`` ->
+        ``(hidden bf16 [B, bs, D], logits fp32 [B, bs, V])``: `hc_pre`, `norm`, the backbone's
+        head; the Markov bias is not added yet (:meth:`propose`)."""
+        hidden = self.hc.pre(x, pre_mix)
+        return hidden, head(self.norm(hidden).to(head.weight.device)).to(hidden.device)
+
     def propose(
-        self, x: torch.Tensor, pre_mix: torch.Tensor, token_ids: torch.Tensor, head: DeepseekV41Head,
+        self, hidden: torch.Tensor, logits: torch.Tensor, token_ids: torch.Tensor,
         pick: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The last block's head (`DSparkBlock.forward_head`), greedy unless `pick` says otherwise.
+        """The last block's head after :meth:`head_logits` (`DSparkBlock.forward_head`), greedy
+        unless `pick` says otherwise.
 
         Args:
-            x: bf16 ``[B, bs, hc, D]``, pre_mix fp32 ``[B, bs, hc]``: the last block's outputs.
+            hidden, logits: :meth:`head_logits`'s; `logits` gets the Markov bias added in place.
             token_ids: int64 ``[B]``, the backbone's next token (the block's first token).
-            head: the backbone's head (fp32 ``[V, D]``).
             pick: ``pick(i, logits) -> ids int64 [B]`` chooses the draft for block position i from
                 its logits fp32 ``[B, V]`` (the Markov bias added); None: the argmax, as the
                 reference.
@@ -183,8 +196,6 @@ class DeepseekV41DSparkBlock(DeepseekV41DecoderLayer):
             ``draft_ids[:, 0]`` is `token_ids`, ``draft_ids[:, i + 1]`` the pick (argmax) of
             ``draft_logits[:, i]`` (the head's logits plus the Markov bias of ``draft_ids[:, i]``).
         """
-        hidden = self.hc.pre(x, pre_mix)
-        logits = head(self.norm(hidden).to(head.weight.device)).to(hidden.device)
         block_size = logits.size(1)
         ids = token_ids.new_empty(token_ids.size(0), block_size + 1)
         ids[:, 0] = token_ids
@@ -194,6 +205,49 @@ class DeepseekV41DSparkBlock(DeepseekV41DecoderLayer):
             logits[:, i].add_(self.markov_head.head(embeds[-1]))
             ids[:, i + 1] = logits[:, i].argmax(-1) if pick is None else pick(i, logits[:, i])
         return ids, logits, self.confidence_head(hidden, torch.stack(embeds, dim=1))
+
+
+def draft_forward(
+    blocks: nn.ModuleList,
+    embed: nn.Embedding,
+    head: DeepseekV41Head,
+    config,
+    token_ids: torch.Tensor,
+    main_hidden: torch.Tensor,
+    position: torch.Tensor,
+    idxs: torch.Tensor,
+    rings: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft head's forward of a decode step at position p, up to the head's logits, from
+    tensors only (the part a CUDA graph replays): `main_proj`, `main_norm`, the block tokens
+    ``[token, noise x (bs - 1)]`` embedded, every block (each writes its ring slot ``p % W``),
+    `hc_pre`, `norm`, head.
+
+    Args:
+        token_ids: int64 ``[B]``; main_hidden: bf16 ``[B, 1, T*D]``; position: int64 ``[1]`` (p);
+        idxs: int32 ``[B, bs, n]`` from :func:`dspark_window_idxs`; rings: one per block.
+
+    Returns:
+        ``(hidden bf16 [B, bs, D], logits fp32 [B, bs, V])`` of the last block, before the Markov
+        bias (`DeepseekV41DSparkBlock.head_logits`).
+    """
+    first = blocks[0]
+    device = rings[0].device
+    with on_device(device):
+        main_x = first.main_norm(first.main_proj(main_hidden.to(device)))
+    ids = torch.full((token_ids.size(0), config.dspark_block_size), config.dspark_noise_token_id,
+                     dtype=torch.long, device=embed.weight.device)
+    ids[:, 0] = token_ids.to(ids.device)
+    x = embed(ids).unsqueeze(2).repeat(1, 1, config.hc_mult, 1)
+    pre_mix = identity_pre_mix(x, config.hc_mult)
+    for block, ring in zip(blocks, rings):  # each block where a device_map put it
+        with on_device(ring.device):
+            device = ring.device
+            x, pre_mix = block.draft(
+                x.to(device), pre_mix.to(device), main_x.to(device), position.to(device), idxs.to(device), ring
+            )
+    with on_device(x.device):
+        return blocks[-1].head_logits(x, pre_mix, head)
 
 
 # consecutive one-token steps `DeepseekV41DraftCache.pending` joins (a verification is at most
@@ -227,6 +281,7 @@ class DeepseekV41DraftCache:
             raise DeepseekV41ModelError(f"max_rewind must be an int >= 0, got {max_rewind!r}")
         self.batch_size = batch_size
         self.max_rewind = max_rewind
+        self.graphs: dict = {}  # the decode runner's captured draft forward (`draft_replay`), on these rings
         self.next_position: int | None = None
         self.pending: tuple[int, torch.Tensor, bool] | None = None
         self.rings = [  # each on its block's device
@@ -288,6 +343,7 @@ def draft_step(
     cache: DeepseekV41DraftCache,
     seed_only: bool = False,
     pick: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    replay: Callable[[DeepseekV41DraftCache, int, int], Callable | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """One call of the draft head after a backbone forward. Mirrors `Transformer.forward_spec`.
 
@@ -306,6 +362,10 @@ def draft_step(
             last, one position per call (a one-position call writes what a draft step writes,
             bit for bit).
         pick: how the drafts are chosen (`DeepseekV41DSparkBlock.propose`); None: greedy.
+        replay: ``replay(cache, batch, start_pos)`` after the checks of a drafting call: None to
+            run :func:`draft_forward` eagerly, or ``run(token_ids, main_hidden, position, idxs)``
+            doing it for these blocks and rings (`DeepseekV41DecodeRunner.draft_replay`'s CUDA
+            graph); None: always eagerly.
 
     A forward of S > 1 tokens (a prefill chunk at `cache.next_position`) only seeds the rings, as
     does the prefill at 0; a one-token forward after position 0 drafts. Rows are taken to start at
@@ -322,29 +382,28 @@ def draft_step(
             draft call, the prefill's first), or a multi-token forward after position 0 that
             does not continue a prefill.
     """
-    first, last = blocks[0], blocks[-1]
     _check_draft_inputs(config, token_ids, main_hidden, start_pos, cache, seed_only)
     seqlen = main_hidden.size(1)
-    with on_device(cache.rings[0].device):
-        main_x = first.main_norm(first.main_proj(main_hidden.to(cache.rings[0].device)))
     if start_pos == 0 or seqlen > 1 or seed_only:
+        first = blocks[0]
+        with on_device(cache.rings[0].device):
+            main_x = first.main_norm(first.main_proj(main_hidden.to(cache.rings[0].device)))
         for block, ring in zip(blocks, cache.rings):
             with on_device(ring.device):
                 block.seed(main_x.to(ring.device), start_pos, ring)
         cache.advance(start_pos, start_pos + seqlen)
         return None
-    block_size = config.dspark_block_size
-    ids = torch.full((token_ids.size(0), block_size), config.dspark_noise_token_id, dtype=torch.long)
-    ids = ids.to(embed.weight.device)
-    ids[:, 0] = token_ids.to(ids.device)
-    x = embed(ids).unsqueeze(2).repeat(1, 1, config.hc_mult, 1)
-    pre_mix = identity_pre_mix(x, config.hc_mult)
-    for block, ring in zip(blocks, cache.rings):  # each block where a device_map put it
-        with on_device(ring.device):
-            device = ring.device
-            x, pre_mix = block.draft(x.to(device), pre_mix.to(device), main_x.to(device), start_pos, ring)
-    with on_device(x.device):
-        drafts = last.propose(x, pre_mix, token_ids.long().to(x.device), head, pick)
+    device = cache.rings[0].device
+    position = torch.full((1,), start_pos, dtype=torch.long, device=device)
+    idxs = dspark_window_idxs(cache.rings[0].size(1), token_ids.size(0), config.dspark_block_size, start_pos, device)
+    args = (token_ids.long().to(device), main_hidden, position, idxs)
+    run = None if replay is None else replay(cache, token_ids.size(0), start_pos)
+    if run is None:
+        hidden, logits = draft_forward(blocks, embed, head, config, *args, cache.rings)
+    else:
+        hidden, logits = run(*args)
+    with on_device(hidden.device):
+        drafts = blocks[-1].propose(hidden, logits, token_ids.long().to(hidden.device), pick)
     cache.advance(start_pos, start_pos + 1)
     return drafts
 
@@ -422,7 +481,8 @@ class DeepseekV41DraftMixin:
         """
         self._check_draft_head()
         return draft_step(
-            self.mtp, self.embed, self.head, self.text_config, token_ids, main_hidden, start_pos, cache, seed_only, pick
+            self.mtp, self.embed, self.head, self.text_config, token_ids, main_hidden, start_pos, cache, seed_only, pick,
+            replay=functools.partial(self.decode_runner.draft_replay, self),
         )
 
     def feed_draft_rings(self, cache, length: int) -> None:
@@ -458,7 +518,10 @@ class DeepseekV41DraftMixin:
                 "this model has no draft head: its checkpoint holds no mtp.* weights (convert the official "
                 "checkpoint again to keep them) or its config sets dspark_block_size = 0"
             )
-        if any(getattr(m, "_hf_hook", None) is not None and _offloads(m._hf_hook) for m in self.mtp.modules()):
+        # a device_map places each draft block whole (`_no_split_modules`): an offloaded block
+        # carries the offloading hook itself (walking all its submodules, experts included, would
+        # cost milliseconds of host time at every draft call)
+        if any(getattr(m, "_hf_hook", None) is not None and _offloads(m._hf_hook) for m in (self.mtp, *self.mtp)):
             raise DeepseekV41ModelError(
                 "the draft head is offloaded by its device_map (cpu / disk): place mtp.* on a GPU or the CPU"
             )
@@ -487,6 +550,7 @@ __all__ = [
     "DeepseekV41DraftMixin",
     "DeepseekV41MarkovHead",
     "draft_blocks",
+    "draft_forward",
     "draft_step",
     "dspark_window_idxs",
     "gather_main_hidden",

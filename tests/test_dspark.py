@@ -11,6 +11,8 @@ nothing), which the model does not compute.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -125,6 +127,21 @@ def test_bad_draft_calls_are_refused_by_name(golden):
     for size in (0, 2.0, True):
         with pytest.raises(DeepseekV41ModelError, match="batch_size >= 1"):
             model.draft_cache(size)
+
+
+def test_an_offloaded_draft_block_is_refused(golden):
+    """A device_map places each draft block whole; one offloaded (cpu / disk) carries accelerate's
+    offloading hook, and the draft head refuses to run."""
+    model = golden_model(golden, VARIANT)
+    block = model.mtp[len(model.mtp) - 1]
+    block._hf_hook = types.SimpleNamespace(offload=True)  # what accelerate's AlignDevicesHook(offload=True) says
+    try:
+        with pytest.raises(DeepseekV41ModelError, match="offloaded by its device_map"):
+            model.draft_cache(1)
+        block._hf_hook = types.SimpleNamespace(hooks=[types.SimpleNamespace(offload=False)])  # a sequential hook, no offload
+        model.draft_cache(1)
+    finally:
+        del block._hf_hook
 
 
 def test_left_padded_rows_and_a_draft_block_called_as_a_layer_are_refused(golden):
