@@ -406,6 +406,8 @@ def main(argv=None) -> int:
             out = model.generate(**inputs, do_sample=False, max_new_tokens=args.steps, min_new_tokens=args.steps,
                                  output_scores=True, return_dict_in_generate=True)
             variants_out.append((out.sequences, torch.stack(out.scores)))
+    if args.compile == "both":
+        use_compiled_step(False)  # the other cases as written
     if len(variants_out) == 2:
         (plain, plain_scores), (compiled, compiled_scores) = variants_out
         same = int((plain == compiled).all(0).cumprod(0).sum()) - inputs["input_ids"].shape[1]
