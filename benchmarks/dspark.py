@@ -100,8 +100,10 @@ def dspark_lines(model, inputs, device, reps: int, steps: int) -> list[str]:
 
     draft_ms = _timed(draft, device, reps)
     transformer.decode_runner.graphs = False
-    eager_ms = _timed(draft, device, reps)
-    transformer.decode_runner.graphs = True
+    try:
+        eager_ms = _timed(draft, device, reps)
+    finally:
+        transformer.decode_runner.graphs = True
     seed_ms = _timed(seed, device, reps)
     lines += ["", f"- draft head after a step ({block} drafts): {draft_ms:.2f} ms ({draft_ms / step_ms:.0%} of a step; "
               f"its forward replayed from a CUDA graph), {eager_ms:.2f} ms eagerly; "

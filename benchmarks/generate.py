@@ -110,8 +110,9 @@ def use_compiled_step(on: bool) -> None:
     Patches the engine's step function (`decode_model_step`, which the decode runner runs and
     captures into its CUDA graphs) with its compiled version. Dynamo does not trace the Python
     wrappers of the Triton kernels (Inductor fails to compile them as user kernels: it passes
-    their float scalars as fp64): each wrapper the modeling modules imported is made opaque with
-    ``torch.compiler.disable``, so Inductor fuses the torch ops between two kernels."""
+    their float scalars as fp64): every function of `triton_ops` the modeling modules imported
+    (the kernel wrappers, and a few torch helpers beside them, such as the router's scores) is
+    made opaque with ``torch.compiler.disable``, so Inductor fuses the torch ops between them."""
     import importlib
     import pkgutil
     import types
@@ -136,7 +137,8 @@ def use_compiled_step(on: bool) -> None:
 
 
 def graph_captures(model) -> int:
-    """Decode CUDA graphs (one per whole-model step shape) the model's decode runner has captured so far."""
+    """CUDA graphs the model's decode runner has captured so far (one per whole-model step shape; the
+    draft head's forward, with `--dspark`, has its own)."""
     return model.model.decode_runner.captures
 
 

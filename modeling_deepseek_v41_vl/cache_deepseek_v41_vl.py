@@ -527,7 +527,8 @@ class DeepseekV41Cache(Cache):
         self._seen_tokens = 0
         self._unrun = 0
         self.attention.seen_tokens = 0
-        self.draft = None
+        if self.draft is not None:
+            self.draft.clear()  # kept, at the same addresses, with its captured draft forward
         self.end_past_recording()
         if self.crop_history is not None:
             self.crop_history.clear()

@@ -41,7 +41,13 @@ from .attention_deepseek_v41_vl import decode_rows
 from .attention_state_deepseek_v41_vl import DeepseekV41DecodeStep, check_mask_shape, check_same_padding, left_padding_offsets
 from .cache_deepseek_v41_vl import DeepseekV41Cache
 from .cuda_graphs_deepseek_v41_vl import GraphedSegment, graph_pool
-from .dspark_deepseek_v41_vl import DeepseekV41DraftCache, draft_forward, gather_main_hidden, main_hidden_taps
+from .dspark_deepseek_v41_vl import (
+    DeepseekV41DraftCache,
+    draft_forward,
+    draft_head_modules,
+    gather_main_hidden,
+    main_hidden_taps,
+)
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from .hyper_connection_deepseek_v41_vl import identity_pre_mix
 
@@ -181,7 +187,7 @@ class DeepseekV41DecodeRunner:
     Attributes:
         graphs: replay steps on CUDA from CUDA graphs (default True); False runs them eagerly
             (the same function, the same values bit for bit).
-        captures: graphs captured so far.
+        captures: graphs captured so far (decode steps and draft-head forwards).
     """
 
     def __init__(self):
@@ -270,14 +276,13 @@ class DeepseekV41DecodeRunner:
         if start_pos + 1 < cache.rings[0].size(1):
             return None
         if any(ring.device != device for ring in cache.rings) or model.embed.weight.device != device \
-                or model.head.weight.device != device or any(_offloaded(block) for block in model.mtp):
+                or model.head.weight.device != device:
             return None
         if self._draft_watched is None or self._draft_watched[0] != _StructureVersion.value:
-            # every module but the routed experts (the expert kernels call them, as in `applies`)
-            experts = {id(m) for block in model.mtp for m in block.ffn.experts.modules()}
-            watched = [m for m in (*model.mtp.modules(), model.embed, model.head) if id(m) not in experts]
-            self._draft_watched = (_StructureVersion.value, watched)
-        if _hooked(self._draft_watched[1]):
+            # every module but the single routed experts (the expert kernels call them, as in `applies`)
+            self._draft_watched = (_StructureVersion.value, [*draft_head_modules(model.mtp), model.embed, model.head])
+        watched = self._draft_watched[1]
+        if _hooked(watched) or any(_offloaded(m) for m in watched):
             return None
         rows = batch * model.text_config.dspark_block_size
         if not all(block.attn.sparse_attention_graph_safe(device) and block.ffn.runs_without_host_sync(rows, device)

@@ -41,6 +41,7 @@ from .decoder_layer_deepseek_v41_vl import DeepseekV41DecoderLayer
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from .hyper_connection_deepseek_v41_vl import identity_pre_mix
 from .layers_deepseek_v41_vl import DeepseekV41Head, DeepseekV41RMSNorm, on_device
+from .moe_deepseek_v41_vl import DeepseekV41MoE
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
 
@@ -291,6 +292,14 @@ class DeepseekV41DraftCache:
         self._kept = [ring.new_zeros(batch_size, ring.size(1) + max_rewind, ring.size(2)) for ring in self.rings] \
             if max_rewind else None
 
+    def clear(self) -> None:
+        """Back to as made (zero rings, no position, nothing pending), at the same addresses: the
+        decode runner's captured draft forward (:attr:`graphs`) stays valid for the next sequence."""
+        for ring in self.rings + (self._kept or []):
+            ring.zero_()
+        self.next_position = None
+        self.pending = None
+
     def record_forward(self, start: int, main_hidden: torch.Tensor | None, length: int) -> None:
         """A backbone forward of `length` tokens at `start` on the cache these rings sit on, and its
         `main_hidden` (None: the forward did not take it, so the rings cannot follow it)."""
@@ -396,7 +405,7 @@ def draft_step(
     device = cache.rings[0].device
     position = torch.full((1,), start_pos, dtype=torch.long, device=device)
     idxs = dspark_window_idxs(cache.rings[0].size(1), token_ids.size(0), config.dspark_block_size, start_pos, device)
-    args = (token_ids.long().to(device), main_hidden, position, idxs)
+    args = (token_ids.long().to(device), main_hidden.to(device), position, idxs)
     run = None if replay is None else replay(cache, token_ids.size(0), start_pos)
     if run is None:
         hidden, logits = draft_forward(blocks, embed, head, config, *args, cache.rings)
@@ -518,10 +527,7 @@ class DeepseekV41DraftMixin:
                 "this model has no draft head: its checkpoint holds no mtp.* weights (convert the official "
                 "checkpoint again to keep them) or its config sets dspark_block_size = 0"
             )
-        # a device_map places each draft block whole (`_no_split_modules`): an offloaded block
-        # carries the offloading hook itself (walking all its submodules, experts included, would
-        # cost milliseconds of host time at every draft call)
-        if any(getattr(m, "_hf_hook", None) is not None and _offloads(m._hf_hook) for m in (self.mtp, *self.mtp)):
+        if any(getattr(m, "_hf_hook", None) is not None and _offloads(m._hf_hook) for m in draft_head_modules(self.mtp)):
             raise DeepseekV41ModelError(
                 "the draft head is offloaded by its device_map (cpu / disk): place mtp.* on a GPU or the CPU"
             )
@@ -539,6 +545,22 @@ class DeepseekV41DraftMixin:
             )
 
 
+def draft_head_modules(mtp: nn.ModuleList) -> list[nn.Module]:
+    """`mtp` and every module in it but the single routed experts (their container included):
+    where a device_map's hooks sit, found without walking the thousands of expert modules (a
+    draft call asks at every step)."""
+    found, todo = [], [mtp]
+    while todo:
+        module = todo.pop()
+        found.append(module)
+        for child in module.children():
+            if isinstance(module, DeepseekV41MoE) and child is module.experts:
+                found.append(child)  # the container, not each expert
+            else:
+                todo.append(child)
+    return found
+
+
 def _offloads(hook) -> bool:
     return any(getattr(h, "offload", False) for h in getattr(hook, "hooks", [hook]))
 
@@ -551,6 +573,7 @@ __all__ = [
     "DeepseekV41MarkovHead",
     "draft_blocks",
     "draft_forward",
+    "draft_head_modules",
     "draft_step",
     "dspark_window_idxs",
     "gather_main_hidden",

@@ -104,9 +104,10 @@ class DeepseekV41DSparkCandidateGenerator(CandidateGenerator):
         cache = model_kwargs.get("cache")
         if not isinstance(cache, DeepseekV41Cache):
             raise DeepseekV41ModelError(f"use_mtp needs the model's DeepseekV41Cache, got {type(cache).__name__}")
-        if cache.draft is None and cache.get_seq_length() == 0:
+        draft = cache.draft
+        if cache.get_seq_length() == 0 and (draft is None or (draft.batch_size, draft.max_rewind) != (1, cache.max_crop)):
             # rings that follow the crops the cache allows after the call (`max_crop`); during it
-            # a crop never goes below the positions the rings hold
+            # a crop never goes below the positions the rings hold. A reset cache keeps its own.
             cache.draft = transformer.draft_cache(1, max_rewind=cache.max_crop)
         transformer.feed_draft_rings(cache, cache.get_seq_length())
         self.transformer = transformer

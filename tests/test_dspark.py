@@ -129,19 +129,25 @@ def test_bad_draft_calls_are_refused_by_name(golden):
             model.draft_cache(size)
 
 
-def test_an_offloaded_draft_block_is_refused(golden):
-    """A device_map places each draft block whole; one offloaded (cpu / disk) carries accelerate's
-    offloading hook, and the draft head refuses to run."""
+@pytest.mark.parametrize("where", ["block", "submodule", "experts"])
+def test_an_offloaded_draft_block_is_refused(golden, where):
+    """A draft block offloaded by a device_map (cpu / disk), whole or in part, carries accelerate's
+    offloading hook where the map put it: the draft head refuses to run."""
     model = golden_model(golden, VARIANT)
-    block = model.mtp[len(model.mtp) - 1]
-    block._hf_hook = types.SimpleNamespace(offload=True)  # what accelerate's AlignDevicesHook(offload=True) says
+    block = model.mtp[0]
+    module = {"block": block, "submodule": block.attn.wkv, "experts": block.ffn.experts}[where]
+    module._hf_hook = types.SimpleNamespace(offload=True)  # what accelerate's AlignDevicesHook(offload=True) says
+    dim = model.text_config.hidden_size * len(model.text_config.dspark_target_layer_ids)
     try:
-        with pytest.raises(DeepseekV41ModelError, match="offloaded by its device_map"):
-            model.draft_cache(1)
-        block._hf_hook = types.SimpleNamespace(hooks=[types.SimpleNamespace(offload=False)])  # a sequential hook, no offload
-        model.draft_cache(1)
+        for call in (lambda: model.draft_cache(1),
+                     lambda: model.draft(torch.tensor([3]), torch.zeros(1, 4, dim, dtype=torch.bfloat16), 0, rings)):
+            with pytest.raises(DeepseekV41ModelError, match="offloaded by its device_map"):
+                call()
+            module._hf_hook = types.SimpleNamespace(hooks=[types.SimpleNamespace(offload=False)])  # no offload
+            rings = model.draft_cache(1)
+            module._hf_hook = types.SimpleNamespace(offload=True)
     finally:
-        del block._hf_hook
+        del module._hf_hook
 
 
 def test_left_padded_rows_and_a_draft_block_called_as_a_layer_are_refused(golden):

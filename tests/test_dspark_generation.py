@@ -356,3 +356,19 @@ def test_recording_ends_with_the_call_and_the_rings_follow_only_forwards_with_ma
     with pytest.raises(DeepseekV41ModelError, match="draft head saw"):
         model.generate(torch.cat([again.sequences, ids], dim=1), cache=cache, do_sample=False, max_new_tokens=2,
                        use_mtp=True)
+
+
+def test_the_kept_cache_keeps_its_draft_rings_for_the_next_call(model):
+    """`generate` resets the cache it keeps on the model for the next call of the same length; the
+    draft rings on it are cleared in place, not dropped (a GPU keeps the draft head's captured
+    forward with them), and the next call drafts from them as from new ones: the same tokens."""
+    ids = torch.tensor([[5, 9, 13, 7, 11]])
+    first = model.generate(ids, do_sample=False, max_new_tokens=5, use_mtp=True, assistant_confidence_threshold=0.0)
+    kept = model.__dict__["_kept_cache"]
+    rings = kept.draft
+    assert rings is not None and rings.next_position is not None
+    again = model.generate(ids, do_sample=False, max_new_tokens=5, use_mtp=True, assistant_confidence_threshold=0.0)
+    assert model.__dict__["_kept_cache"] is kept and kept.draft is rings
+    assert torch.equal(first, again)
+    kept.reset()
+    assert rings.next_position is None and rings.pending is None and all(not r.any() for r in rings.rings)
