@@ -177,11 +177,16 @@ class DeepseekV41DSparkCandidateGenerator(CandidateGenerator):
         never kept. (One host read per step.)"""
         if self._prefix is None or j + 1 >= tokens.size(1):
             return False
-        scores = logits.to(self._prefix.device, torch.float32, copy=True)
-        if self.logits_processor:
-            scores = self.logits_processor(torch.cat([self._prefix, tokens[:, 1 : j + 1].to(self._prefix.device)], 1),
-                                           scores)
+        scores = self._processed(torch.cat([self._prefix, tokens[:, 1 : j + 1].to(self._prefix.device)], 1), logits)
         return bool((scores.argmax(-1) != tokens[:, j + 1].to(scores.device)).any())
+
+    def _processed(self, sequence: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (fp32 ``[1, V]``) of the position after `sequence` (``[1, L]``) as transformers'
+        loop processes them: a copy on the sequence's device (processors may write in place) through
+        the generation's logits processors. The one rule behind both the drafts' picks and the
+        verification's stop."""
+        scores = logits.to(sequence.device, torch.float32, copy=True)
+        return self.logits_processor(sequence, scores) if self.logits_processor else scores
 
     def _picker(self, input_ids: torch.Tensor, picked: list):
         """`propose`'s pick: the generation's logits processors on each draft position's logits,
@@ -189,9 +194,7 @@ class DeepseekV41DSparkCandidateGenerator(CandidateGenerator):
         sequence = [input_ids]
 
         def pick(i: int, logits: torch.Tensor) -> torch.Tensor:
-            scores = logits.to(input_ids.device, torch.float32, copy=True)  # processors may write in place
-            if self.logits_processor:
-                scores = self.logits_processor(torch.cat(sequence, dim=1), scores)
+            scores = self._processed(torch.cat(sequence, dim=1), logits)
             picked.append(scores)
             if self.do_sample:
                 token = torch.multinomial(scores.softmax(-1), num_samples=1).squeeze(1)
