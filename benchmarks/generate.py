@@ -350,6 +350,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if (args.profile or args.profile_distinct) and args.device == "cpu":
         parser.error("--profile reads CUDA kernel times: it needs a CUDA device")
+    if args.reps < 1:
+        parser.error("--reps must be at least 1 (each timing is the median of --reps runs)")
     if args.steps < 2:
         parser.error("--steps must be at least 2 (decode time is T(steps) - T(1))")
     device = torch.device(args.device)

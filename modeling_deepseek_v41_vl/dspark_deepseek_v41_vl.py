@@ -432,6 +432,13 @@ def _check_draft_inputs(config, token_ids, main_hidden, start_pos, cache, seed_o
         raise DeepseekV41ModelError(
             f"draft takes token_ids [B] and main_hidden [B, S, T*D] tensors, got {got[0]} and {got[1]}"
         )
+    width = config.hidden_size * len(config.dspark_target_layer_ids)
+    if main_hidden.dtype != torch.bfloat16 or main_hidden.size(-1) != width or main_hidden.is_meta:
+        raise DeepseekV41ModelError(
+            f"main_hidden must be the forward's bf16 [B, S, {width}] (T*D: {len(config.dspark_target_layer_ids)} target "
+            f"layers x {config.hidden_size}) holding values, got {main_hidden.dtype} {tuple(main_hidden.shape)} on "
+            f"{main_hidden.device}"
+        )
     if token_ids.size(0) != cache.batch_size:
         raise DeepseekV41ModelError(f"the draft cache holds {cache.batch_size} rows, token_ids {token_ids.size(0)}")
     if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
@@ -475,8 +482,10 @@ class DeepseekV41DraftMixin:
         Args:
             token_ids: int64 ``[B]``, the token the forward's last logits chose.
             main_hidden: that forward's `main_hidden`, bf16 ``[B, S, T*D]``.
-            start_pos: that forward's first position (0: a prefill, which seeds `cache` and
-                returns None).
+            start_pos: that forward's first position: 0 starts the rings over (a prefill, or a new
+                sequence on used rings). A forward of one token after position 0 drafts; one of
+                several tokens (a prefill, or a prefill chunk at the rings' next position) only
+                seeds `cache` and returns None.
             cache: from :meth:`draft_cache`, written in place.
             seed_only, pick: see :func:`draft_step` (write the rings only; how drafts are chosen).
 

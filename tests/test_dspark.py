@@ -115,6 +115,9 @@ def test_bad_draft_calls_are_refused_by_name(golden):
         ((token.float(), one, 0, rings), "integer token ids"),
         ((torch.tensor([3, 512]), one, 0, rings), r"\[0, 512\)"),
         ((token, one, -1, rings), "int >= 0"),
+        ((token, one.float(), 0, rings), "main_hidden must be the forward's bf16"),
+        ((token, one[..., :-8], 0, rings), "main_hidden must be the forward's bf16"),
+        ((token, one.to("meta"), 0, rings), "holding values"),
         ((token, one, 5, rings), "prefill \\(start_pos 0\\) first"),  # drafting before the seeding
     ]
     with torch.no_grad():
