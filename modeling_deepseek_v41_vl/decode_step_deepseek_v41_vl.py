@@ -293,7 +293,10 @@ class DeepseekV41DecodeRunner:
             segment = cache.graphs["draft"] = GraphedSegment(_captured_draft, graph_pool(device))
         key = (model.numerics, model.decode_identity, model.weights_epoch, _StructureVersion.value)
 
-        def run(*args):
+        def run(token_ids, main_hidden, position, idxs):
+            # main_hidden is often a one-position slice of a longer pending tensor: its strides
+            # (part of the graph's input signature) would differ from call to call
+            args = (token_ids, main_hidden.clone(memory_format=torch.contiguous_format), position, idxs)
             before = segment.captures
             out = segment(*args, key=key, context=(model, cache.rings))
             self.captures += segment.captures - before

@@ -285,12 +285,21 @@ class DeepseekV41DraftCache:
         self.graphs: dict = {}  # the decode runner's captured draft forward (`draft_replay`), on these rings
         self.next_position: int | None = None
         self.pending: tuple[int, torch.Tensor, bool] | None = None
-        self.rings = [  # each on its block's device
-            block.attn.wkv.weight.new_zeros(batch_size, block.attn.window, block.attn.head_dim, dtype=torch.bfloat16)
-            for block in blocks
-        ]
-        self._kept = [ring.new_zeros(batch_size, ring.size(1) + max_rewind, ring.size(2)) for ring in self.rings] \
-            if max_rewind else None
+        # normal tensors even when made under torch.inference_mode(): a later reset outside it
+        # clears them in place (`clear`), which an inference tensor refuses
+        with torch.inference_mode(False):
+            self.rings = [  # each on its block's device
+                block.attn.wkv.weight.new_zeros(batch_size, block.attn.window, block.attn.head_dim, dtype=torch.bfloat16)
+                for block in blocks
+            ]
+            self._kept = [ring.new_zeros(batch_size, ring.size(1) + max_rewind, ring.size(2)) for ring in self.rings] \
+                if max_rewind else None
+
+    def fits(self, blocks: nn.ModuleList, batch_size: int, max_rewind: int) -> bool:
+        """Whether these rings serve `blocks` for `batch_size` rows and `max_rewind` positions
+        (each ring on its block's device): a reset cache's rings are reused only then."""
+        return (self.batch_size, self.max_rewind) == (batch_size, max_rewind) and len(self.rings) == len(blocks) \
+            and all(ring.device == block.attn.wkv.weight.device for ring, block in zip(self.rings, blocks))
 
     def clear(self) -> None:
         """Back to as made (zero rings, no position, nothing pending), at the same addresses: the
@@ -555,16 +564,21 @@ class DeepseekV41DraftMixin:
 
 
 def draft_head_modules(mtp: nn.ModuleList) -> list[nn.Module]:
-    """`mtp` and every module in it but the single routed experts (their container included):
-    where a device_map's hooks sit, found without walking the thousands of expert modules (a
-    draft call asks at every step)."""
+    """`mtp` and every module in it but the routed experts after the first of each block (their
+    container included): where a device_map's hooks sit, found without walking the thousands of
+    expert modules (a draft call asks at every step). A map that offloads single experts other
+    than the first is not seen: a draft block is placed whole (`_no_split_modules`)."""
     found, todo = [], [mtp]
     while todo:
         module = todo.pop()
         found.append(module)
         for child in module.children():
             if isinstance(module, DeepseekV41MoE) and child is module.experts:
-                found.append(child)  # the container, not each expert
+                # the container and its first expert's modules, not every expert: a device_map
+                # entry for the container offloads each expert's linears, the first's included
+                found.append(child)
+                if len(child):
+                    found.extend(child[0].modules())
             else:
                 todo.append(child)
     return found

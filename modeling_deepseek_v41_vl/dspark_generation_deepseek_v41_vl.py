@@ -105,7 +105,7 @@ class DeepseekV41DSparkCandidateGenerator(CandidateGenerator):
         if not isinstance(cache, DeepseekV41Cache):
             raise DeepseekV41ModelError(f"use_mtp needs the model's DeepseekV41Cache, got {type(cache).__name__}")
         draft = cache.draft
-        if cache.get_seq_length() == 0 and (draft is None or (draft.batch_size, draft.max_rewind) != (1, cache.max_crop)):
+        if cache.get_seq_length() == 0 and (draft is None or not draft.fits(transformer.mtp, 1, cache.max_crop)):
             # rings that follow the crops the cache allows after the call (`max_crop`); during it
             # a crop never goes below the positions the rings hold. A reset cache keeps its own.
             cache.draft = transformer.draft_cache(1, max_rewind=cache.max_crop)

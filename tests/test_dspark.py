@@ -138,7 +138,9 @@ def test_an_offloaded_draft_block_is_refused(golden, where):
     offloading hook where the map put it: the draft head refuses to run."""
     model = golden_model(golden, VARIANT)
     block = model.mtp[0]
-    module = {"block": block, "submodule": block.attn.wkv, "experts": block.ffn.experts}[where]
+    # where accelerate puts an offloading hook for a map entry of the block, of one of its parts,
+    # or of its experts' container (each expert's linears)
+    module = {"block": block, "submodule": block.attn.wkv, "experts": block.ffn.experts[0].w1}[where]
     module._hf_hook = types.SimpleNamespace(offload=True)  # what accelerate's AlignDevicesHook(offload=True) says
     dim = model.text_config.hidden_size * len(model.text_config.dspark_target_layer_ids)
     try:
@@ -151,6 +153,19 @@ def test_an_offloaded_draft_block_is_refused(golden, where):
             module._hf_hook = types.SimpleNamespace(offload=True)
     finally:
         del module._hf_hook
+
+
+def test_the_draft_head_modules_leave_out_all_experts_but_the_first(golden):
+    """What the offload and hook checks walk at each draft call: every module of the draft head
+    but the routed experts after the first of each block (thousands at release size)."""
+    from deepseek_v41_vl.modeling.dspark_deepseek_v41_vl import draft_head_modules
+
+    model = golden_model(golden, VARIANT)
+    walked = draft_head_modules(model.mtp)
+    assert len(walked) == len({id(m) for m in walked})  # each once
+    everything = {id(m) for m in model.mtp.modules()}
+    skipped = {id(m) for block in model.mtp for e in block.ffn.experts[1:] for m in e.modules()}
+    assert {id(m) for m in walked} == everything - skipped
 
 
 def test_left_padded_rows_and_a_draft_block_called_as_a_layer_are_refused(golden):

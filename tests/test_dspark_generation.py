@@ -372,6 +372,22 @@ def test_the_kept_cache_keeps_its_draft_rings_for_the_next_call(model):
     assert torch.equal(first, again)
     kept.reset()
     assert rings.next_position is None and rings.pending is None and all(not r.any() for r in rings.rings)
+    assert rings.fits(model.model.mtp, 1, rings.max_rewind) and not rings.fits(model.model.mtp, 2, rings.max_rewind)
+
+
+def test_rings_made_under_inference_mode_are_cleared_by_a_later_call(converted_tiny_dspark):
+    """Rings made by a `use_mtp` call under `torch.inference_mode()` are normal tensors: the next
+    call outside it resets the kept cache, clearing them in place."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(converted_tiny_dspark, numerics="exact")  # no kept cache yet
+    ids = torch.tensor([[5, 9, 13, 7, 11]])
+    with torch.inference_mode():
+        first = model.generate(ids, do_sample=False, max_new_tokens=4, use_mtp=True)
+    rings = model.__dict__["_kept_cache"].draft
+    assert not any(r.is_inference() for r in rings.rings)
+    assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=4), first)
+    assert torch.equal(model.generate(ids, do_sample=False, max_new_tokens=4, use_mtp=True), first)
 
 
 def test_stop_strings_end_generation_with_and_without_drafts(model):
