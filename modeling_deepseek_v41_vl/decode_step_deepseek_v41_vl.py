@@ -197,7 +197,6 @@ class DeepseekV41DecodeRunner:
         self._draft_watched: tuple[int, list] | None = None  # the same for the draft head
         _StructureVersion.install()
 
-
     @contextlib.contextmanager
     def trusting(self):
         """While in it, this thread's engine steps skip the checks that read values back from the
@@ -278,11 +277,14 @@ class DeepseekV41DecodeRunner:
         if any(ring.device != device for ring in cache.rings) or model.embed.weight.device != device \
                 or model.head.weight.device != device:
             return None
+        # an offloaded draft block was refused before (`_check_draft_head`); the embedding and
+        # the head are the backbone's
+        if _offloaded(model.embed) or _offloaded(model.head):
+            return None
         if self._draft_watched is None or self._draft_watched[0] != _StructureVersion.value:
-            # every module but the single routed experts (the expert kernels call them, as in `applies`)
+            # the draft head's modules but its routed experts after the first (`draft_head_modules`)
             self._draft_watched = (_StructureVersion.value, [*draft_head_modules(model.mtp), model.embed, model.head])
-        watched = self._draft_watched[1]
-        if _hooked(watched) or any(_offloaded(m) for m in watched):
+        if _hooked(self._draft_watched[1]):
             return None
         rows = batch * model.text_config.dspark_block_size
         if not all(block.attn.sparse_attention_graph_safe(device) and block.ffn.runs_without_host_sync(rows, device)

@@ -208,6 +208,13 @@ class DeepseekV41DSparkBlock(DeepseekV41DecoderLayer):
         return ids, logits, self.confidence_head(hidden, torch.stack(embeds, dim=1))
 
 
+def _main_x(blocks: nn.ModuleList, main_hidden: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # main_x bf16 [B, S, D] = main_norm(main_proj(main_hidden)) of the first block, on `device`
+    first = blocks[0]
+    with on_device(device):
+        return first.main_norm(first.main_proj(main_hidden.to(device)))
+
+
 def draft_forward(
     blocks: nn.ModuleList,
     embed: nn.Embedding,
@@ -232,10 +239,7 @@ def draft_forward(
         ``(hidden bf16 [B, bs, D], logits fp32 [B, bs, V])`` of the last block, before the Markov
         bias (`DeepseekV41DSparkBlock.head_logits`).
     """
-    first = blocks[0]
-    device = rings[0].device
-    with on_device(device):
-        main_x = first.main_norm(first.main_proj(main_hidden.to(device)))
+    main_x = _main_x(blocks, main_hidden, rings[0].device)
     ids = torch.full((token_ids.size(0), config.dspark_block_size), config.dspark_noise_token_id,
                      dtype=torch.long, device=embed.weight.device)
     ids[:, 0] = token_ids.to(ids.device)
@@ -403,9 +407,7 @@ def draft_step(
     _check_draft_inputs(config, token_ids, main_hidden, start_pos, cache, seed_only)
     seqlen = main_hidden.size(1)
     if start_pos == 0 or seqlen > 1 or seed_only:
-        first = blocks[0]
-        with on_device(cache.rings[0].device):
-            main_x = first.main_norm(first.main_proj(main_hidden.to(cache.rings[0].device)))
+        main_x = _main_x(blocks, main_hidden, cache.rings[0].device)
         for block, ring in zip(blocks, cache.rings):
             with on_device(ring.device):
                 block.seed(main_x.to(ring.device), start_pos, ring)
