@@ -116,6 +116,10 @@ class DeepseekV41Attention(nn.Module):
     Mirrors `inference/model.py: Attention`.
     """
 
+    # tensor parallelism: the rank's `DeepseekV41Shard` once `parallel_deepseek_v41_vl.shard_model`
+    # gave it a share of the heads (`n_heads` and `n_groups` are then this rank's)
+    shard = None
+
     def __init__(self, config, layer_id: int, numerics: DeepseekV41Numerics | str | None = None):
         super().__init__()
         weight_dtype = config.weight_dtype
@@ -305,6 +309,8 @@ class DeepseekV41Attention(nn.Module):
         o = o.view(bsz, n_rows, self.n_groups, -1)
         wo_a = self.wo_a.weight.view(self.n_groups, self.o_lora_rank, -1)
         o = torch.einsum("bsgd,grd->bsgr", o, wo_a)
+        if self.shard is not None:  # this rank's groups' fp32 share, summed over the ranks, rounded once
+            return self.shard.all_reduce(self.wo_b.partial(o.flatten(2))).to(torch.bfloat16)
         return self.wo_b(o.flatten(2))
 
     # -- the one-token decode step (one function of device tensors, see `decode_step_deepseek_v41_vl.py`)

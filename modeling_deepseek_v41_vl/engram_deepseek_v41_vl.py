@@ -523,6 +523,11 @@ class DeepseekV41EngramEmbedding(nn.Module):
     the looked-up bf16 rows travel back.
     """
 
+    # tensor parallelism (`parallel_deepseek_v41_vl.shard_model`): the rank's `DeepseekV41Shard`
+    # once the table holds its rows ``row_offset ..`` only (`ParallelEngramEmbedding`'s split)
+    shard = None
+    row_offset = 0
+
     def __init__(self, num_embeddings: int, head_dim: int):
         super().__init__()
         if head_dim % ENGRAM_SCALE_BLOCK:
@@ -545,22 +550,40 @@ class DeepseekV41EngramEmbedding(nn.Module):
             computed in fp32 (exact: a power-of-two scale) and cast to bf16, on the table's device
             (the same bits on every device).
         """
+        if self.shard is not None:
+            return self._sharded(indices)
         out_device = indices.device
         table_device = self.weight.device
         if out_device != table_device:
             # blocking: the gather needs the indices at once, and a non-blocking copy into host
             # memory could be read before it lands
             indices = indices.to(table_device)
-        values = F.embedding(indices, self.weight).float()
-        scales = F.embedding(indices, self.scale).float()
-        values = values.unflatten(-1, (-1, ENGRAM_SCALE_BLOCK)) * scales.unsqueeze(-1)
-        rows = values.flatten(-2).to(torch.bfloat16)
+        rows = self._dequantized(indices).to(torch.bfloat16)
         if out_device != table_device:
             # to an accelerator the copy may be non-blocking: it is queued on the stream the layer's
             # next kernels run on, and a pageable source is staged before the call returns; into
             # host memory it must block (the caller would read it at once)
             rows = rows.to(out_device, non_blocking=out_device.type != "cpu")
         return rows
+
+    def _sharded(self, indices: torch.Tensor) -> torch.Tensor:
+        """The rows of `indices` when this rank holds rows ``row_offset ..`` of the table: each
+        rank dequantizes the rows it holds, zeros elsewhere, and one all-reduce adds them (one
+        term per value is non-zero, so the sum is that value, exactly)."""
+        local = indices - self.row_offset
+        held = (local >= 0) & (local < self.weight.size(0))
+        if self.weight.size(0) == 0:  # more ranks than rows: this one holds none
+            rows = torch.zeros(*indices.shape, self.head_dim, device=indices.device)
+        else:
+            rows = torch.where(held.unsqueeze(-1), self._dequantized(torch.where(held, local, 0)), 0.0)
+        return self.shard.all_reduce(rows).to(torch.bfloat16)
+
+    def _dequantized(self, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[..., head_dim]``: table rows `rows` (on the table's device), value x scale per
+        32-block (exact: a power-of-two scale)."""
+        values = F.embedding(rows, self.weight).float()
+        scales = F.embedding(rows, self.scale).float()
+        return (values.unflatten(-1, (-1, ENGRAM_SCALE_BLOCK)) * scales.unsqueeze(-1)).flatten(-2)
 
 
 class DeepseekV41Engram(nn.Module):

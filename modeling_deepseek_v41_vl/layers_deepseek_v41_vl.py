@@ -94,9 +94,13 @@ class DeepseekV41Head(nn.Linear):
     def reset_parameters(self) -> None:
         """No-op: the weight comes from a checkpoint or `_init_weights`."""
 
+    # tensor parallelism: the rank's `DeepseekV41Shard` once it holds a share of the vocabulary
+    shard = None
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[..., D]`` (bf16) -> fp32 logits ``[..., V]``."""
-        return F.linear(hidden_states.float(), self.weight)
+        """``[..., D]`` (bf16) -> fp32 logits ``[..., V]`` (every rank's share gathered, when sharded)."""
+        logits = F.linear(hidden_states.float(), self.weight)
+        return logits if self.shard is None else self.shard.gather_last(logits)
 
 
 class DeepseekV41EmbeddingsMixin:
@@ -114,7 +118,14 @@ class DeepseekV41EmbeddingsMixin:
     def resize_token_embeddings(self, new_num_tokens: int | None = None, *args, **kwargs) -> nn.Embedding:
         """transformers' resize (embedding, and the fp32 head where there is one), with the Engram
         token map following (`DeepseekV41EngramHash.resize`: new ids carry no n-gram signal);
-        checked before anything changes."""
+        checked before anything changes.
+
+        Raises:
+            ValueError: the model is one tensor-parallel rank (its head holds a share of the
+                vocabulary); and what `DeepseekV41EngramHash.check_resize` raises.
+        """
+        if self.model.head.shard is not None:
+            raise ValueError("resize_token_embeddings on a tensor-parallel rank: resize a model loaded in one process")
         hasher = self.model.engram_hash
         if hasher is not None and new_num_tokens is not None:
             hasher.check_resize(new_num_tokens)

@@ -52,6 +52,9 @@ from .load_checks_deepseek_v41_vl import (
     refuse_a_random_vision_tower, settle_draft_head,
 )
 from .official_layout_deepseek_v41_vl import load_official_layout, official_layout_index
+from .parallel_deepseek_v41_vl import (
+    DeepseekV41ParallelError, load_shards, parallel_request, rank_device, sharded_load_config,
+)
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
 from .rope_deepseek_v41_vl import DeepseekV41RotaryEmbedding, rope_inv_frequencies
 
@@ -616,6 +619,11 @@ class DeepseekV41LoadingMixin:
             )
         kwargs["dtype"] = torch.bfloat16
         path = args[0] if args else kwargs.get("pretrained_model_name_or_path")
+        shard = parallel_request(kwargs)
+        if shard is not None:
+            model = cls._from_pretrained_sharded(path, shard, kwargs)
+            info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}  # all read
+            return (model, info) if kwargs.get("output_loading_info") else model
         engram_device = kwargs.pop("engram_device", None)
         if engram_device is not None:
             kwargs["device_map"] = device_map_with_engram_tables(
@@ -646,6 +654,31 @@ class DeepseekV41LoadingMixin:
         if requested in (torch.float32, "float32") and model.model.vision_enabled:
             model.set_vision_dtype(torch.float32)
         return (model, info) if want_info else model
+
+    @classmethod
+    def _from_pretrained_sharded(cls, path, shard, kwargs: dict) -> nn.Module:
+        """`from_pretrained` of one tensor-parallel rank (`parallel_deepseek_v41_vl`): the config
+        of the local converted folder `path`, the model on the meta device, this rank's shard
+        read as slices onto its device, then the usual checks.
+
+        Raises:
+            DeepseekV41ParallelError: a `--link` folder, not a local folder, or an argument this
+                path does not take (named).
+        """
+        from transformers import GenerationConfig
+
+        path, config = sharded_load_config(cls.config_class, path, kwargs)
+        if official_layout_index(path):
+            raise DeepseekV41ParallelError(f"{path} is a --link folder: tensor parallelism loads a converted folder")
+        model = empty_model(config, cls)
+        load_shards(model, path, shard, rank_device(shard))
+        _restore_host_tensors(model)
+        if kwargs.get("check_finite", True):
+            check_finite_weights(model, path)
+        model._suppress_image_token()
+        if os.path.isfile(os.path.join(path, "generation_config.json")):
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        return model.eval()
 
     def set_vision_dtype(self, dtype: torch.dtype = torch.float32):
         """Cast the vision tower and the aligner (the parts people fine-tune) to `dtype`; returns
@@ -719,6 +752,11 @@ class DeepseekV41LoadingMixin:
         (safetensors' F4 entries cannot be read back in slices) and, for a model of the installed
         package, the remote-code files and `auto_map` (:attr:`remote_code_writer`), so the saved
         folder loads like a converted one, with or without the package."""
+        if getattr(self.model, "shard", None) is not None:
+            raise DeepseekV41ParallelError(
+                "this model is one tensor-parallel rank (it holds a share of the weights): save a model loaded "
+                "in one process, or keep the converted folder it was loaded from"
+            )
         if state_dict is None and not any(t.is_meta for t in self.state_dict().values()):
             state_dict = {
                 name: tensor.view(torch.int8) if tensor.dtype == torch.float4_e2m1fn_x2 else tensor

@@ -180,17 +180,20 @@ class DeepseekV41Expert(nn.Module):
         self.swiglu_limit = swiglu_limit
         self.numerics = as_numerics(numerics)
 
-    def forward(self, x: torch.Tensor, routing_weights: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing_weights: torch.Tensor | None = None, partial: bool = False) -> torch.Tensor:
         """x ``[n, D]`` (bf16); routing_weights fp32 ``[n, 1]`` or None (shared expert) -> ``[n, D]``
-        in ``x.dtype``. In fast numerics with the plan's ``swiglu`` backend on Triton (no autograd),
-        the SwiGLU between the linears is one launch (`triton_ops/swiglu.expert_swiglu_triton`)."""
+        in ``x.dtype``; with `partial`, fp32: w2's sums before their rounding (a rank's share of a
+        shared expert split over ranks, `DeepseekV41Linear.partial`). In fast numerics with the
+        plan's ``swiglu`` backend on Triton (no autograd), the SwiGLU between the linears is one
+        launch (`triton_ops/swiglu.expert_swiglu_triton`)."""
+        down = self.w2.partial if partial else self.w2
         gate, up = self.w1(x), self.w3(x)
         if (
             x.dtype == gate.dtype == up.dtype == torch.bfloat16
             and self.numerics.backend("swiglu", x.device) == "triton"
             and not needs_grad(gate, up, *(() if routing_weights is None else (routing_weights,)))
         ):
-            return self.w2(expert_swiglu_triton(gate, up, self.swiglu_limit, routing_weights))
+            return down(expert_swiglu_triton(gate, up, self.swiglu_limit, routing_weights))
         gate, up = gate.float(), up.float()
         if self.swiglu_limit > 0:
             up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
@@ -198,7 +201,7 @@ class DeepseekV41Expert(nn.Module):
         hidden = F.silu(gate) * up
         if routing_weights is not None:
             hidden = routing_weights * hidden
-        return self.w2(hidden.to(x.dtype))
+        return down(hidden.to(x.dtype))
 
 
 # bound on the fp32 copy of the expert outputs one `index_add_` adds, and on the token-major copy
@@ -243,6 +246,12 @@ class DeepseekV41MoE(nn.Module):
         DeepseekV41MoEError: ``n_shared_experts != 1`` (the reference supports exactly one).
     """
 
+    # tensor/expert parallelism (`parallel_deepseek_v41_vl.shard_model`): the rank's
+    # `DeepseekV41Shard` once `experts` holds its share (local ids 0..), and whether the shared
+    # expert is split over the ranks too
+    shard = None
+    shared_sharded = False
+
     def __init__(self, config, layer_idx: int | None = None, numerics: DeepseekV41Numerics | str | None = None):
         super().__init__()
         if config.n_shared_experts != 1:
@@ -267,7 +276,7 @@ class DeepseekV41MoE(nn.Module):
     def _routed_exact(self, x, weights, indices) -> torch.Tensor:
         # the reference's loop: one expert at a time, its rows in (token, slot) order
         out = torch.zeros_like(x, dtype=torch.float32)
-        counts = torch.bincount(indices.flatten(), minlength=self.n_routed_experts).tolist()
+        counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
         for e, count in enumerate(counts):
             if count == 0:
                 continue
@@ -284,7 +293,7 @@ class DeepseekV41MoE(nn.Module):
         rows = order // top_k
         x_sorted = x[rows]
         w_sorted = weights.flatten()[order].unsqueeze(-1)
-        counts = torch.bincount(flat_ids, minlength=self.n_routed_experts).tolist()
+        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
         if use_moe_prefill(x, self.routed_weight_dtype, self.numerics.backend("moe_prefill", x.device)):
             # batched dequant + grouped GEMMs per chunk of experts (`triton_ops/moe_prefill.py`):
             # the same math, without ~50 host-issued launches per expert
@@ -357,6 +366,8 @@ class DeepseekV41MoE(nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
         weights, indices = self.gate(x, None if image_rows is None else image_rows.reshape(-1))
+        if self.shard is not None:
+            return self._sharded(x, weights, indices).to(hidden_states.dtype).view(shape)
         if self.numerics.exact:
             out = self._routed_exact(x, weights, indices)
         elif use_moe_experts_kernel(x, indices, self.routed_weight_dtype, self.numerics.backend("moe_experts", x.device)):
@@ -366,6 +377,27 @@ class DeepseekV41MoE(nn.Module):
             out = self._routed_grouped(x, weights, indices)
         out += self.shared_experts(x)
         return out.to(hidden_states.dtype).view(shape)
+
+    def _sharded(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[T, D]`` under tensor/expert parallelism: this rank's experts' terms (the other
+        ranks' slots weigh 0, `DeepseekV41Shard.local_routes`) summed over the ranks in fp32,
+        plus the shared expert's bf16 output: a sharded one's fp32 shares summed in the same
+        all-reduce and rounded once, a replicated one computed whole."""
+        weights, indices = self.shard.local_routes(weights, indices, len(self.experts))
+        if self.numerics.exact:
+            out = self._routed_exact(x, weights, indices)
+        elif use_moe_experts_kernel(x, indices, self.routed_weight_dtype, self.numerics.backend("moe_experts", x.device)):
+            out = self._routed_kernels(x, weights, indices, None)
+        else:
+            out = self._routed_grouped(x, weights, indices)
+        if self.shared_sharded:
+            # one all-reduce of both sums; the shared output then rounded to bf16 as one process
+            # rounds it before adding it to the routed sum
+            routed, shared = self.shard.all_reduce(torch.stack([out, self.shared_experts(x, partial=True)]))
+            return routed + shared.to(torch.bfloat16)
+        out = self.shard.all_reduce(out)
+        out += self.shared_experts(x)
+        return out
 
 
 __all__ = [

@@ -374,36 +374,40 @@ def _block_scaled_matmul(
 
 
 def fp8_block_gemm(
-    a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: int = QUANT_BLOCK
+    a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: int = QUANT_BLOCK,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """C = A @ W^T with per-block scales, returned in bf16 ``[..., N]``. Mirrors `kernel.fp8_gemm`.
 
     Args:
         a: float8_e4m3fn ``[..., K]`` from :func:`act_quant`; a_scale ``[..., K/block]``.
         weight: float8_e4m3fn ``[N, K]``; weight_scale ``[ceil(N/block), K/block]`` (e8m0 or fp32).
+        out_dtype: bf16 (the reference's), or fp32: the sums before that rounding.
     """
     k = a.size(-1)
     n = weight.size(0)
     b_rows = weight_scale.float().repeat_interleave(block, dim=0)[:n]
     out = _block_scaled_matmul(a.reshape(-1, k).float(), a_scale.reshape(-1, k // block).float(), weight.float(), b_rows, block)
-    return out.to(torch.bfloat16).view(*a.shape[:-1], n)
+    return out.to(out_dtype).view(*a.shape[:-1], n)
 
 
 def fp4_block_gemm(
-    a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: int = QUANT_BLOCK
+    a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: int = QUANT_BLOCK,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """C = A_fp8 @ W_fp4^T with per-32 scales, bf16 ``[..., N]`` out. Mirrors `kernel.fp4_gemm`.
 
     Args:
         a: float8_e4m3fn ``[..., K]``; a_scale ``[..., K/block]`` (block = 32, the weight group).
         weight: packed fp4 ``[N, K/2]``; weight_scale ``[N, K/32]``.
+        out_dtype: bf16 (the reference's), or fp32: the sums before that rounding.
     """
     k = a.size(-1)
     n = weight.size(0)
     out = _block_scaled_matmul(
         a.reshape(-1, k).float(), a_scale.reshape(-1, k // block).float(), unpack_fp4(weight), weight_scale.float(), block
     )
-    return out.to(torch.bfloat16).view(*a.shape[:-1], n)
+    return out.to(out_dtype).view(*a.shape[:-1], n)
 
 
 # e8m0 exponents a fresh scale may take: from the byte 0 (2^-127) up to the last byte the load
@@ -476,6 +480,18 @@ def init_quantized_storage(weight: torch.Tensor, scale: torch.Tensor, std: float
         weight.view(torch.uint8).copy_(codes.view(torch.uint8))  # bytes: no 1-byte float kernel needed
     if _is_fresh(scale):
         scale.view(torch.uint8).fill_(scale_byte)
+
+
+def fp32_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight^T`` in fp32 without a rounding of the output (`x`, `weight` bf16 or fp32:
+    every product is exact in fp32 for bf16 values). On CUDA the bf16 GEMM with an fp32 output
+    where torch has it (``torch.mm(..., out_dtype=)``); else an fp32 GEMM."""
+    if x.is_cuda and x.dtype == weight.dtype == torch.bfloat16:
+        try:
+            return torch.mm(x.reshape(-1, x.size(-1)), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+        except (TypeError, RuntimeError, NotImplementedError):
+            pass
+    return F.linear(x.float(), weight.float())
 
 
 class DeepseekV41Linear(nn.Linear):
@@ -602,19 +618,35 @@ class DeepseekV41Linear(nn.Linear):
             return _StraightThroughQuantizedLinear.apply(x, self)
         return self._quantized_forward(x)
 
-    def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _quantized_forward(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if self.numerics.exact:
             q, s = act_quant(x)
             gemm = fp8_block_gemm if self.weight_dtype == "fp8" else fp4_block_gemm
-            return gemm(q, s, self.weight, self.scale)
+            return gemm(q, s, self.weight, self.scale, out_dtype=out_dtype)
         _check_bf16(x, "DeepseekV41Linear")  # the same error on both paths below
         plan = self.numerics
         if use_quant_linear_kernel(x, plan.backend("quant_linear", x.device)):
             # decode-size inputs (a few rows) on CUDA: reads fp8/fp4 in place, fused fake-quant
             # (`triton_ops/quant_linear.py`); equal to the line below up to fp32 summation order
-            return quantized_linear_triton(x, self.weight, self.scale, self.weight_dtype)
+            return quantized_linear_triton(x, self.weight, self.scale, self.weight_dtype, out_dtype=out_dtype)
         activation = fake_quant_fp8(x, backend=plan.backend("fake_quant", x.device))
-        return F.linear(activation, self.dequantized_weight(torch.bfloat16, plan.backend("dequant", x.device)))
+        weight = self.dequantized_weight(torch.bfloat16, plan.backend("dequant", x.device))
+        return F.linear(activation, weight) if out_dtype == torch.bfloat16 else fp32_sums(activation, weight)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[..., out]``: :meth:`forward`'s sums before its output is rounded to bf16 (the
+        same products, added in fp32). A rank's share of a row-parallel linear
+        (`parallel_deepseek_v41_vl`): the ranks add their shares and round once, as one process
+        rounds its one sum. No gradient flows through it.
+
+        Raises:
+            DeepseekV41QuantizationError: as :meth:`forward`.
+        """
+        if x.size(-1) != self.in_features:
+            raise DeepseekV41QuantizationError(f"input has {x.size(-1)} features, the linear expects {self.in_features}")
+        if not self.is_quantized:
+            return fp32_sums(x, self.weight)
+        return self._quantized_forward(x, torch.float32)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # The checkpoint stores packed fp4 as int8; re-view it so the dtype check passes.
@@ -656,6 +688,7 @@ __all__ = [
     "fake_quant_fp8",
     "fp4_block_gemm",
     "fp8_block_gemm",
+    "fp32_sums",
     "init_quantized_storage",
     "pack_fp4",
     "quant_fp4",

@@ -1423,3 +1423,25 @@ def test_hc_fused_kernels_equal_the_separate_kernels(batch, seq, dim):
     torch.cuda.synchronize()
     assert same(g_norm, rms_norm_triton(hc_pre_triton(x, mix), weight, 1e-6))
     assert same(g_x1, want_x1) and all(same(a, b) for a, b in zip(g_mixes, want))
+
+
+@pytest.mark.parametrize("kind", ["fp8", "fp4"])
+@pytest.mark.parametrize("rows", [1, 64])
+def test_linear_partial_on_gpu_is_the_forward_before_its_rounding(kind, rows):
+    """`DeepseekV41Linear.partial` (a tensor-parallel rank's share of a row-parallel linear) on
+    the GPU: the kernel's fp32 output (1 row) and the bf16 GEMM with an fp32 output (64 rows, the
+    fallback) round to the forward's bf16 output up to the fp32 summation order."""
+    from deepseek_v41_vl.modeling.quantization_deepseek_v41_vl import DeepseekV41Linear, fp32_sums
+
+    gen = torch.Generator(device=CUDA).manual_seed(5 + rows)
+    linear = DeepseekV41Linear(2048, 1280, kind, numerics="fast").to(CUDA)
+    linear.weight.data, linear.scale.data = _quant_weight(kind, 1280, 2048, gen, False)
+    x = (torch.randn(rows, 2048, generator=gen, device=CUDA) * 3).to(torch.bfloat16)
+    sums, out = linear.partial(x), linear(x)
+    assert sums.dtype == torch.float32 and out.dtype == torch.bfloat16
+    ulp = torch.exp2(torch.floor(torch.log2(out.float().abs().clamp_min(2.0**-126))) - 7)
+    assert ((sums.to(torch.bfloat16).float() - out.float()).abs() <= ulp).all()
+    assert (sums != sums.to(torch.bfloat16).float()).any()
+    a = (torch.randn(3, 64, generator=gen, device=CUDA)).to(torch.bfloat16)
+    w = (torch.randn(16, 64, generator=gen, device=CUDA)).to(torch.bfloat16)
+    assert torch.allclose(fp32_sums(a, w), a.double() @ w.double().t(), rtol=1e-6, atol=1e-5)

@@ -318,3 +318,37 @@ def test_e4m3_rounding_helper_exhaustive():
     round_kernel[(triton.cdiv(values.numel(), 4096),)](values, out, values.numel(), BLOCK=4096)
     ref = values.to(torch.float8_e4m3fn).float()
     assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
+
+
+@pytest.mark.parametrize("kind,m,n,k,config", [CASES[0], CASES[2], CASES[6]])
+def test_fp32_output_is_the_sums_before_rounding(kind, m, n, k, config):
+    """``out_dtype=torch.float32`` (a row-parallel rank's share, `DeepseekV41Linear.partial`):
+    with one exact product per output the fp32 sums are that product, and rounded to bf16 they
+    are the bf16 output, split launches included."""
+    g = torch.Generator().manual_seed(3 * n + k)
+    x = _hard_activation(m, k, g)
+    weight, scale = _signed_permutation(n, k, kind, g)
+    sums = quantized_linear_triton(x, weight, scale, kind, config=config, out_dtype=torch.float32)
+    assert sums.dtype == torch.float32 and sums.shape == (m, n)
+    deq = dequantize_fp8_weight(weight, scale) if kind == "fp8" else dequantize_fp4_weight(weight, scale)
+    assert torch.equal(sums, F.linear(fake_quant_fp8(x).float(), deq.float()))
+    assert torch.equal(sums.to(torch.bfloat16), quantized_linear_triton(x, weight, scale, kind, config=config))
+    with pytest.raises(QuantLinearError, match="out_dtype"):
+        quantized_linear_triton(x, weight, scale, kind, out_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "fp4"])
+@pytest.mark.parametrize("mode, backend", [("fast", "torch"), ("fast", "triton"), ("exact", "torch")])
+def test_linear_partial_rounds_to_forward(kind, mode, backend):
+    """`DeepseekV41Linear.partial` on every path (exact block GEMM, the fast torch path, the
+    kernel): fp32, the forward's products summed in fp32; rounded once it is the forward's
+    output up to the fp32 summation order (a bf16 ulp where a sum straddles a boundary)."""
+    g = torch.Generator().manual_seed(11)
+    lin = _linear(kind, 40, 96, g)
+    apply_numerics(lin, DeepseekV41Numerics.resolve(mode, quant_linear=backend))
+    x = (torch.randn(3, 96, generator=g) * 2).to(torch.bfloat16)
+    sums, out = lin.partial(x), lin(x)
+    assert sums.dtype == torch.float32 and out.dtype == torch.bfloat16
+    diff = (sums.to(torch.bfloat16).float() - out.float()).abs()
+    assert (diff <= _bf16_ulp(out.float())).all() and (sums.to(torch.bfloat16) == out).float().mean() > 0.9
+    assert (sums != sums.to(torch.bfloat16).float()).any()  # not rounded

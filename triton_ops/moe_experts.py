@@ -171,7 +171,7 @@ def use_moe_experts_kernel(x: torch.Tensor, indices: torch.Tensor, weight_dtype:
 # ---------------------------------------------------------------------------------------------
 # torch fallback
 # ---------------------------------------------------------------------------------------------
-def _check_inputs(x, weights, indices, n_experts: int | None = None, hidden: int | None = None) -> None:
+def _check_inputs(x, weights, indices, hidden: int | None = None) -> None:
     if x.dim() != 2:
         raise MoEExpertsError(f"x must be [T, D], got shape {tuple(x.shape)}")
     if x.dtype != torch.bfloat16:
@@ -189,8 +189,6 @@ def _check_inputs(x, weights, indices, n_experts: int | None = None, hidden: int
     for name, t in (("weights", weights), ("indices", indices)):
         if t.device != x.device:
             raise MoEExpertsError(f"{name} is on {t.device}, x on {x.device}")
-    if n_experts is not None and indices.size(1) > n_experts:
-        raise MoEExpertsError(f"{indices.size(1)} slots per token but only {n_experts} experts")
 
 
 def moe_experts_torch(x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: Sequence) -> torch.Tensor:
@@ -210,7 +208,7 @@ def moe_experts_torch(x: torch.Tensor, weights: torch.Tensor, indices: torch.Ten
     Raises:
         MoEExpertsError: bad shapes / dtypes / devices, or an expert id outside ``[0, E)``.
     """
-    _check_inputs(x, weights, indices, len(experts))
+    _check_inputs(x, weights, indices)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     if x.size(0) == 0:
         return out
@@ -598,7 +596,8 @@ def moe_experts_triton(
     Args:
         x: bf16 ``[T, D]`` token rows (any row stride, unit column stride).
         weights: fp32 ``[T, k]`` routing weights. indices: int64 ``[T, k]`` expert ids in
-            ``[0, E)`` (not checked: see the module docstring), distinct within a row.
+            ``[0, E)`` (not checked: see the module docstring). An id may repeat within a row: each
+            slot is its own pair (tensor parallelism gives the other ranks' slots weight 0 on expert 0).
         table: from :func:`build_expert_table` / :class:`ExpertTableCache`, on x's device.
         mma: ``"scaled"`` (``tl.dot_scaled``), ``"manual"``, or None: ``DEEPSEEK_V41_MOE_EXPERTS_MMA``,
             else ``"manual"`` (the faster on an H200: `_default_mma`). Ignored for bf16 experts.
@@ -627,7 +626,7 @@ def moe_experts_triton(
             "backend 'triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
             "before triton is imported"
         )
-    _check_inputs(x, weights, indices, table.n_experts, table.hidden_size)
+    _check_inputs(x, weights, indices, table.hidden_size)
     if table.offsets.device != x.device:
         raise MoEExpertsError(f"the expert table is on {table.offsets.device}, x on {x.device}")
     mma = _default_mma() if mma is None else mma
@@ -766,7 +765,7 @@ def combine_slots(y: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
     Args:
         y: bf16 ``[T*k, D]``, one row per (token, slot) pair, token-major, contiguous.
-        indices: int64 / int32 ``[T, k]`` expert ids (distinct within a row).
+        indices: int64 / int32 ``[T, k]`` expert ids (a repeated id: its slots in slot order).
 
     Returns:
         fp32 ``[T, D]``.

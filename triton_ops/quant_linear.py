@@ -225,6 +225,7 @@ if triton is not None:
         GROUPS_PER_ITER: tl.constexpr,
         DOT_FP32: tl.constexpr,
         PTX_DECODE: tl.constexpr,
+        OUT_FP32: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -309,10 +310,10 @@ if triton is not None:
                 total = tl.load(ws_ptr + tile_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
                 for r in range(1, n_splits):
                     total += tl.load(ws_ptr + r * (M * N) + tile_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + out_offs, _to_bf16_rne(total), mask=out_mask)
+                tl.store(out_ptr + out_offs, total if OUT_FP32 else _to_bf16_rne(total), mask=out_mask)
                 tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
         else:
-            tl.store(out_ptr + out_offs, _to_bf16_rne(acc), mask=out_mask)
+            tl.store(out_ptr + out_offs, acc if OUT_FP32 else _to_bf16_rne(acc), mask=out_mask)
 
 
 _TILE_COUNTERS: dict[tuple, torch.Tensor] = {}
@@ -424,6 +425,7 @@ def quantized_linear_triton(
     scale: torch.Tensor,
     weight_dtype: str,
     config: QuantLinearConfig | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """``fake_quant_fp8(x) @ dequantized(weight, scale)^T`` without materialising the weight.
 
@@ -438,9 +440,12 @@ def quantized_linear_triton(
         scale: float8_e8m0fnu (or uint8) ``[ceil(N/32), ceil(K/32)]`` for fp8, ``[N, K/32]`` for fp4.
         weight_dtype: ``"fp8"`` or ``"fp4"``.
         config: launch parameters; ``None``: :func:`default_config`.
+        out_dtype: ``torch.bfloat16`` (the linear's output, rounded once), or ``torch.float32``:
+            the fp32 sums before that rounding (a row-parallel share, added to the other ranks'
+            before the one rounding).
 
     Returns:
-        bf16 ``[..., N]``, a new tensor on the device of `x`.
+        ``[..., N]`` in `out_dtype`, a new tensor on the device of `x`.
 
     Raises:
         QuantLinearError: wrong dtypes or shapes, K not a multiple of 32, tensors on different
@@ -462,7 +467,9 @@ def quantized_linear_triton(
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     m = x2d.size(0)
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise QuantLinearError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return out.view(*lead, n)
     config = default_config(m, n, k, weight_dtype, x.device) if config is None else config
@@ -508,6 +515,7 @@ def quantized_linear_triton(
         GROUPS_PER_ITER=config.groups_per_iter,
         DOT_FP32=interpreted,
         PTX_DECODE=not interpreted,  # `dequant`'s inline-PTX decodes (the interpreter cannot run PTX)
+        OUT_FP32=out_dtype == torch.float32,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
