@@ -13,6 +13,7 @@ from torch import nn
 from ..triton_ops.rms_norm import MAX_COLS as RMS_NORM_MAX_COLS
 from ..triton_ops.rms_norm import WEIGHT_DTYPES as RMS_NORM_WEIGHT_DTYPES
 from ..triton_ops.rms_norm import rms_norm_triton
+from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
 
 
@@ -121,11 +122,11 @@ class DeepseekV41EmbeddingsMixin:
         checked before anything changes.
 
         Raises:
-            ValueError: the model is one tensor-parallel rank (its head holds a share of the
-                vocabulary); and what `DeepseekV41EngramHash.check_resize` raises.
+            DeepseekV41ModelError: the model is one tensor-parallel rank (its head holds a share
+                of the vocabulary); and what `DeepseekV41EngramHash.check_resize` raises.
         """
         if self.model.head.shard is not None:
-            raise ValueError("resize_token_embeddings on a tensor-parallel rank: resize a model loaded in one process")
+            raise DeepseekV41ModelError("resize_token_embeddings on a tensor-parallel rank: resize a model loaded in one process")
         hasher = self.model.engram_hash
         if hasher is not None and new_num_tokens is not None:
             hasher.check_resize(new_num_tokens)

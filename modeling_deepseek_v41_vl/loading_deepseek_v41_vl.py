@@ -53,7 +53,7 @@ from .load_checks_deepseek_v41_vl import (
 )
 from .official_layout_deepseek_v41_vl import load_official_layout, official_layout_index
 from .parallel_deepseek_v41_vl import (
-    DeepseekV41ParallelError, load_shards, parallel_request, rank_device, sharded_load_config,
+    DeepseekV41ParallelError, load_shards, parallel_request, rank_device, seed_alike, sharded_load_config,
 )
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
 from .rope_deepseek_v41_vl import DeepseekV41RotaryEmbedding, rope_inv_frequencies
@@ -622,6 +622,8 @@ class DeepseekV41LoadingMixin:
         shard = parallel_request(kwargs)
         if shard is not None:
             model = cls._from_pretrained_sharded(path, shard, kwargs)
+            if requested in (torch.float32, "float32") and model.model.vision_enabled:
+                model.set_vision_dtype(torch.float32)
             info = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}  # all read
             return (model, info) if kwargs.get("output_loading_info") else model
         engram_device = kwargs.pop("engram_device", None)
@@ -659,7 +661,8 @@ class DeepseekV41LoadingMixin:
     def _from_pretrained_sharded(cls, path, shard, kwargs: dict) -> nn.Module:
         """`from_pretrained` of one tensor-parallel rank (`parallel_deepseek_v41_vl`): the config
         of the local converted folder `path`, the model on the meta device, this rank's shard
-        read as slices onto its device, then the usual checks.
+        read as slices onto its device, then the usual checks; every rank's generators are then
+        seeded alike (`seed_alike`).
 
         Raises:
             DeepseekV41ParallelError: a `--link` folder, not a local folder, or an argument this
@@ -672,6 +675,7 @@ class DeepseekV41LoadingMixin:
             raise DeepseekV41ParallelError(f"{path} is a --link folder: tensor parallelism loads a converted folder")
         model = empty_model(config, cls)
         load_shards(model, path, shard, rank_device(shard))
+        seed_alike(shard, rank_device(shard))
         _restore_host_tensors(model)
         if kwargs.get("check_finite", True):
             check_finite_weights(model, path)

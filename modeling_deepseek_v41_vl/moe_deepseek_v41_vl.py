@@ -274,14 +274,17 @@ class DeepseekV41MoE(nn.Module):
         self.expert_tables = ExpertTableCache()
 
     def _routed_exact(self, x, weights, indices) -> torch.Tensor:
-        # the reference's loop: one expert at a time, its rows in (token, slot) order
+        # the reference's loop: one expert at a time, its rows in (token, slot) order; added with
+        # index_add_, which adds a row routed twice to one expert twice (`out[rows] +=` would keep
+        # one: tensor parallelism routes the other ranks' slots to local expert 0 with weight 0),
+        # and adds distinct rows as `out[rows] +=` does, bit for bit
         out = torch.zeros_like(x, dtype=torch.float32)
         counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
         for e, count in enumerate(counts):
             if count == 0:
                 continue
             rows, slots = torch.where(indices == e)
-            out[rows] += self.experts[e](x[rows], weights[rows, slots, None])
+            out.index_add_(0, rows, self.experts[e](x[rows], weights[rows, slots, None]).float())
         return out
 
     def _routed_grouped(self, x, weights, indices) -> torch.Tensor:

@@ -21,11 +21,14 @@ text config as transformers' ``base_model_tp_plan`` / ``base_model_ep_plan``) sa
 
 fp8 weights shard with their e8m0 scales on 32-blocks, fp4 experts whole. The partial sums meet
 in one all-reduce at the end of each attention (after ``wo_b``), each MoE (routed and shared
-partials together) and each Engram lookup, all in fp32; the head's logits in one all-gather. These run in the modules'
-own forward (no hook), so the decode step (`decode_step_deepseek_v41_vl.py`) takes them too.
+partials together) and each Engram lookup, all in fp32; the head's logits in one all-gather.
+These run in the modules' own forward (no hook), so the decode step
+(`decode_step_deepseek_v41_vl.py`) and the draft head take them too.
 
-A sharded sum adds in another order than one process, so results equal one process's only up to
-rounding (the reference's own tensor parallelism differs the same way).
+A row-parallel share is its GEMM's fp32 sums before the bf16 rounding
+(`DeepseekV41Linear.partial`), and each total is rounded once, where one process rounds its one
+sum (the shared expert's output too, before it meets the routed sum): the results equal one
+process's up to the order of fp32 additions.
 
 Mirrors the reference's ``world_size`` / ``rank`` split (`inference/model.py`: `ColumnParallelLinear`,
 `RowParallelLinear`, `ParallelHead`, `MoE` with ``n_local_experts``).
@@ -353,6 +356,7 @@ def _check_ep_size(ep_size: int | None, size: int | None) -> None:
 _LOAD_ARGUMENTS_IGNORED = {
     "dtype", "trust_remote_code", "output_loading_info", "local_files_only", "check_finite", "revision", "code_revision",
     "cache_dir", "force_download", "proxies", "token", "_from_auto", "_from_pipeline", "config", "adapter_kwargs", "subfolder",
+    "use_safetensors", "low_cpu_mem_usage",  # a rank always reads safetensors slices onto its device
 }
 
 
@@ -395,9 +399,9 @@ def _start_process_group() -> None:
         raise DeepseekV41ParallelError(
             "tensor parallelism needs one process per rank: launch with torchrun --nproc-per-node N"
         )
+    if torch.cuda.is_available():  # each rank on its own GPU before NCCL binds one
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
 
 
 def rank_device(shard: DeepseekV41Shard) -> torch.device:
@@ -459,6 +463,18 @@ def load_shards(model: nn.Module, path, shard: DeepseekV41Shard, device: torch.d
                 _fill(tensor, read_split(f.get_slice(stored), split, shard))
 
 
+def seed_alike(shard: DeepseekV41Shard, device: torch.device) -> int:
+    """Seed torch's generators on every rank with rank 0's initial seed (returned), so that
+    sampling draws the same tokens on every rank: the ranks must feed the same tokens into the
+    next step's collectives (torch seeds each process differently)."""
+    import torch.distributed as dist
+
+    seed = torch.tensor([torch.initial_seed() % 2**63], dtype=torch.int64, device=device)
+    dist.broadcast(seed, src=dist.get_global_rank(shard.group, 0) if shard.group is not None else 0, group=shard.group)
+    torch.manual_seed(int(seed))
+    return int(seed)
+
+
 def _fill(tensor: torch.Tensor, value: torch.Tensor) -> None:
     """Copy a checkpoint tensor into a model tensor of the same shape: bytes for a 1-byte storage
     (packed fp4 arrives as I8; fp8 codes and e8m0 scales as themselves), else a value cast."""
@@ -479,6 +495,7 @@ __all__ = [
     "parallel_request",
     "rank_device",
     "read_split",
+    "seed_alike",
     "shard_model",
     "sharded_load_config",
     "world_shard",

@@ -8,7 +8,8 @@ saw to ``OUT/rank{r}.pt``.
 - ``prefill/<run>``: fp32 logits of the golden prefill of `run` ("vl": two images; "text"), when
   ``--golden`` is given (the folder is then the converted golden `model_tiny_fp8`);
 - ``prompt``: logits of a fixed text prompt;
-- ``greedy``: 2 greedy tokens after the first of those prompts;
+- ``greedy``: 2 greedy tokens after the first of those prompts; ``sampled``: 4 sampled ones
+  (no seed set);
 - ``turn``: with ``--photos``, 2 greedy tokens of the second turn (a new image) of a conversation on
   the cache of its first turn;
 - ``draft`` / ``plain`` (``--mtp``): 4 tokens of ``generate(use_mtp=True)`` and of plain greedy;
@@ -56,6 +57,8 @@ def main() -> None:
                     first_inputs = inputs
         n = first_inputs["input_ids"].size(1)
         seen["greedy"] = model.generate(**first_inputs, do_sample=False, max_new_tokens=2)[:, n:]
+        # unseeded sampling: equal on every rank (the load seeds the ranks alike), not to one process
+        seen["sampled"] = model.generate(**first_inputs, do_sample=True, top_k=0, max_new_tokens=4)[:, n:]
         if args.photos:
             from helpers import conversation_turns
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41TextConfig
+from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from deepseek_v41_vl.modeling.parallel_deepseek_v41_vl import (
     DeepseekV41ParallelError,
     DeepseekV41Shard,
@@ -79,6 +80,8 @@ def _check_against_one_process(one: dict, ranks: list[dict], shared_split: bool)
             continue
         for seen in ranks[1:]:
             assert torch.equal(seen[key], ranks[0][key]), f"{key}: ranks differ"
+        if key == "sampled":  # seeded alike across the ranks, not like the one process
+            continue
         got, want = ranks[0][key], one[key]
         if want.is_floating_point():
             rel = ((got - want).norm() / want.norm()).item()
@@ -252,7 +255,7 @@ def test_a_rank_refuses_to_save_or_resize(converted_tiny_fp8, tmp_path):
     with pytest.raises(DeepseekV41ParallelError, match="one tensor-parallel rank"):
         model.save_pretrained(tmp_path / "saved")
     assert not (tmp_path / "saved").exists()
-    with pytest.raises(ValueError, match="tensor-parallel rank"):
+    with pytest.raises(DeepseekV41ModelError, match="tensor-parallel rank"):
         model.resize_token_embeddings(600)
 
 
@@ -313,3 +316,41 @@ def test_a_rank_load_takes_config_arguments_and_refuses_others(converted_tiny_fp
         sharded_load_config(DeepseekV41Config, tmp_path / "missing", {})
     with pytest.raises(DeepseekV41ParallelError, match="PEFT adapter"):
         sharded_load_config(DeepseekV41Config, converted_tiny_fp8, {"adapter_kwargs": {"_adapter_model_path": "a"}})
+
+
+@pytest.mark.parametrize("numerics", ["exact", "fast"])
+def test_expert_parallel_moe_shares_add_up_to_one_process(numerics, monkeypatch):
+    """The MoE of rank 0 and rank 1 of 2 (all-reduce replaced by collecting the shares): a token
+    whose two experts are both on one rank sends two zero-weight slots to the other rank's
+    expert 0; every slot still adds (the exact loop adds with `index_add_`), and the two shares
+    (two fp32 terms a token) add up to one process's MoE output, bit for bit."""
+    import copy
+
+    from torch import nn
+
+    from deepseek_v41_vl.modeling.moe_deepseek_v41_vl import DeepseekV41MoE
+    from random_storage import fill_quantized_storage
+
+    config = DeepseekV41TextConfig(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                                   swiglu_limit=10.0, numerics=numerics, expert_weight_dtype="fp4", weight_dtype="fp8")
+    moe = DeepseekV41MoE(config, 0).eval()
+    gen = torch.Generator().manual_seed(0)
+    fill_quantized_storage(moe, gen)
+    moe.gate.weight.data.copy_(torch.randn(moe.gate.weight.shape, generator=gen).bfloat16())
+    moe.gate.bias.data.zero_()
+    x = (torch.randn(1, 12, 64, generator=gen) * 3).bfloat16()
+    _, indices = moe.gate(x[0])
+    held_by = indices // 4
+    assert ((held_by[:, 0] == held_by[:, 1]) & (held_by[:, 0] == 1)).any()  # both on rank 1: duplicates on rank 0
+    with torch.no_grad():
+        want = moe(x)
+    shares = []
+    monkeypatch.setattr(DeepseekV41Shard, "all_reduce", lambda self, partial: shares.append(partial.clone()) or partial)
+    for rank in range(2):
+        part = copy.deepcopy(moe)
+        part.experts = nn.ModuleList(list(part.experts)[rank * 4 : (rank + 1) * 4])
+        part.shard = DeepseekV41Shard(rank=rank, size=2)
+        with torch.no_grad():
+            part(x)
+    got = (shares[0] + shares[1] + moe.shared_experts(x[0])).to(torch.bfloat16)
+    assert torch.equal(got, want[0])
