@@ -1444,4 +1444,4 @@ def test_linear_partial_on_gpu_is_the_forward_before_its_rounding(kind, rows):
     assert (sums != sums.to(torch.bfloat16).float()).any()
     a = (torch.randn(3, 64, generator=gen, device=CUDA)).to(torch.bfloat16)
     w = (torch.randn(16, 64, generator=gen, device=CUDA)).to(torch.bfloat16)
-    assert torch.allclose(fp32_sums(a, w), a.double() @ w.double().t(), rtol=1e-6, atol=1e-5)
+    assert torch.allclose(fp32_sums(a, w).double(), a.double() @ w.double().t(), rtol=1e-6, atol=1e-5)
