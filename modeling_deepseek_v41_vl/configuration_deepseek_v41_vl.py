@@ -300,7 +300,7 @@ class DeepseekV41TextConfig(PretrainedConfig):
     model_type = "deepseek_v41_text"
     # tensor / expert parallelism (`parallel_deepseek_v41_vl.py` reads these and says what each
     # style does): "colwise" splits a weight's outputs, "rowwise" its inputs, "embedding_rowwise" a
-    # table's rows, "ep" the routed experts
+    # table's rows, "ep_dispatch_experts" the routed experts by expert
     base_model_tp_plan = {
         f"{stack}.*.{name}": style
         for stack in ("layers", "mtp")
@@ -314,7 +314,7 @@ class DeepseekV41TextConfig(PretrainedConfig):
             ("ffn.shared_experts.w2", "rowwise"),
         )
     } | {"head": "colwise", "layers.*.engram.embed": "embedding_rowwise"}
-    base_model_ep_plan = {"layers.*.ffn.experts": "ep", "mtp.*.ffn.experts": "ep"}
+    base_model_ep_plan = {"layers.*.ffn.experts": "ep_dispatch_experts", "mtp.*.ffn.experts": "ep_dispatch_experts"}
     base_config_key = "text_config"
     attribute_map = {"num_local_experts": "n_routed_experts", "intermediate_size": "moe_intermediate_size"}
 

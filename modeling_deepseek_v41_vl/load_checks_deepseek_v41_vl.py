@@ -282,17 +282,24 @@ def refuse_a_half_loaded_pair(model: nn.Module, info: dict, path) -> None:
         )
 
 
-def _checkpoint_tensor_names(path) -> set[str] | None:
-    """The tensor names of a local converted folder (None: not a local folder of safetensors)."""
+def checkpoint_tensor_files(path) -> dict[str, str] | None:
+    """Tensor name -> the safetensors file holding it, for a local converted folder (its index,
+    else its one ``model.safetensors``); None: not a local folder of safetensors."""
     if path is None or not Path(path).is_dir():
         return None
     index, single = Path(path) / "model.safetensors.index.json", Path(path) / "model.safetensors"
     if index.is_file():
-        return set(json.loads(index.read_text())["weight_map"])
+        return {name: str(Path(path) / file) for name, file in json.loads(index.read_text())["weight_map"].items()}
     if single.is_file():
         with safe_open(single, "pt") as f:
-            return set(f.keys())
+            return dict.fromkeys(f.keys(), str(single))
     return None
+
+
+def _checkpoint_tensor_names(path) -> set[str] | None:
+    """The tensor names of a local converted folder (None: not a local folder of safetensors)."""
+    files = checkpoint_tensor_files(path)
+    return None if files is None else set(files)
 
 
 def settle_draft_head(model: nn.Module, path) -> None:
@@ -330,6 +337,7 @@ def settle_draft_head(model: nn.Module, path) -> None:
 
 __all__ = [
     "E8M0_FIRST_REFUSED",
+    "checkpoint_tensor_files",
     "NONFINITE_CODES",
     "DeepseekV41NonFiniteWeightError",
     "check_finite_weights",

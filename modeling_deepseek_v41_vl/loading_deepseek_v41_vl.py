@@ -592,6 +592,10 @@ class DeepseekV41LoadingMixin:
         one half of a quantized (weight, scale) pair beside its loaded other half (a pair missing whole
         is initialized).
 
+        Tensor and expert parallelism (`parallel_deepseek_v41_vl`): under ``torchrun``,
+        ``tp_plan="auto"`` or ``distributed_config=DistributedConfig(tp_size=N)`` loads this rank's
+        share of a local converted folder (its slices only) onto its device; see the README.
+
         Engram tables in host memory: a `device_map` entry ``model.layers.{i}.engram.embed: "cpu"``
         under a layer on a GPU keeps that table resident on the CPU (only hash ids and looked-up
         rows cross; see the module doc). ``engram_device="cpu"`` adds those
@@ -608,6 +612,8 @@ class DeepseekV41LoadingMixin:
             DeepseekV41NonFiniteWeightError: a weight holding NaN / Inf, named (a DeepseekV41ModelError).
             DeepseekV41EngramPlacementError: `engram_device` other than "cpu" or without a `device_map`;
                 a table mapped to "cpu" inside an offloaded ("disk", or "cpu" beside GPUs) layer.
+            DeepseekV41ParallelError: a parallel setting the model does not take (named), sizes
+                that do not split over the ranks, or a folder a rank cannot read its shard from.
         """
         requested = kwargs.pop("dtype", kwargs.pop("torch_dtype", None))
         if requested not in (None, "auto", torch.bfloat16, torch.float32, "bfloat16", "float32"):
@@ -674,7 +680,9 @@ class DeepseekV41LoadingMixin:
         if official_layout_index(path):
             raise DeepseekV41ParallelError(f"{path} is a --link folder: tensor parallelism loads a converted folder")
         model = empty_model(config, cls)
+        settle_draft_head(model, path)  # a folder without mtp.* loads without a draft head
         load_shards(model, path, shard, rank_device(shard))
+        model.requires_grad_(False)  # a rank runs inference only: its collectives carry no gradient
         seed_alike(shard, rank_device(shard))
         _restore_host_tensors(model)
         if kwargs.get("check_finite", True):

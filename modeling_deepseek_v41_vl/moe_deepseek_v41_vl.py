@@ -251,6 +251,7 @@ class DeepseekV41MoE(nn.Module):
     # expert is split over the ranks too
     shard = None
     shared_sharded = False
+    expert_offset = 0  # the global id of `experts[0]`
 
     def __init__(self, config, layer_idx: int | None = None, numerics: DeepseekV41Numerics | str | None = None):
         super().__init__()
@@ -274,34 +275,41 @@ class DeepseekV41MoE(nn.Module):
         self.expert_tables = ExpertTableCache()
 
     def _routed_exact(self, x, weights, indices) -> torch.Tensor:
-        # the reference's loop: one expert at a time, its rows in (token, slot) order; added with
-        # index_add_, which adds a row routed twice to one expert twice (`out[rows] +=` would keep
-        # one: tensor parallelism routes the other ranks' slots to local expert 0 with weight 0),
-        # and adds distinct rows as `out[rows] +=` does, bit for bit
+        # the reference's loop: one expert at a time, its rows in (token, slot) order; the
+        # experts held here only (all of them in one process; `expert_offset ..` on a rank)
+        first = self.expert_offset
         out = torch.zeros_like(x, dtype=torch.float32)
-        counts = torch.bincount(indices.flatten(), minlength=len(self.experts)).tolist()
-        for e, count in enumerate(counts):
+        counts = torch.bincount(indices.flatten(), minlength=first + len(self.experts))[first : first + len(self.experts)]
+        for e, count in enumerate(counts.tolist()):
             if count == 0:
                 continue
-            rows, slots = torch.where(indices == e)
-            out.index_add_(0, rows, self.experts[e](x[rows], weights[rows, slots, None]).float())
+            rows, slots = torch.where(indices == first + e)
+            out[rows] += self.experts[e](x[rows], weights[rows, slots, None])
         return out
 
     def _routed_grouped(self, x, weights, indices) -> torch.Tensor:
         # one stable sort by expert: expert e's rows are a contiguous slice, in the same
-        # (token, slot) order as the exact loop; index_add_ then adds per row in expert order
+        # (token, slot) order as the exact loop; index_add_ then adds per row in expert order.
+        # Only the slice of the experts held here runs (all of them in one process)
         top_k = indices.size(1)
         flat_ids = indices.flatten()
         order = torch.argsort(flat_ids, stable=True)
         rows = order // top_k
-        x_sorted = x[rows]
-        w_sorted = weights.flatten()[order].unsqueeze(-1)
-        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
+        first = self.expert_offset
+        counts_all = torch.bincount(flat_ids, minlength=first + len(self.experts)).tolist()
+        counts = counts_all[first : first + len(self.experts)]
+        lo = sum(counts_all[:first])
+        hi = lo + sum(counts)
+        x_sorted = x[rows[lo:hi]]
+        w_sorted = weights.flatten()[order[lo:hi]].unsqueeze(-1)
         if use_moe_prefill(x, self.routed_weight_dtype, self.numerics.backend("moe_prefill", x.device)):
             # batched dequant + grouped GEMMs per chunk of experts (`triton_ops/moe_prefill.py`):
             # the same math, without ~50 host-issued launches per expert
             table = self.expert_tables.get(self.experts)
             y_sorted = moe_routed_prefill(x_sorted, w_sorted, counts, table)
+            if hi - lo < order.numel():  # the other ranks' pairs add zero rows, in their places
+                y_sorted = torch.cat([y_sorted.new_zeros(lo, y_sorted.size(1)), y_sorted,
+                                      y_sorted.new_zeros(order.numel() - hi, y_sorted.size(1))])
             return _combine_sorted(y_sorted, order, indices)
         y_sorted = torch.empty_like(x_sorted)
         start = 0
@@ -314,9 +322,10 @@ class DeepseekV41MoE(nn.Module):
         out = torch.zeros_like(x, dtype=torch.float32)
         # in slices: an fp32 copy of all T x top-k rows would take 1.9 GiB at 16K tokens; the
         # rows are added in the same order either way
+        held_rows = rows[lo:hi]
         step = max(1, INDEX_ADD_SLICE_BYTES // (4 * x.size(1)))
         for start in range(0, y_sorted.size(0), step):
-            out.index_add_(0, rows[start : start + step], y_sorted[start : start + step].float())
+            out.index_add_(0, held_rows[start : start + step], y_sorted[start : start + step].float())
         return out
 
     def runs_without_host_sync(self, rows: int, device: torch.device) -> bool:
@@ -383,14 +392,15 @@ class DeepseekV41MoE(nn.Module):
 
     def _sharded(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """fp32 ``[T, D]`` under tensor/expert parallelism: this rank's experts' terms (the other
-        ranks' slots weigh 0, `DeepseekV41Shard.local_routes`) summed over the ranks in fp32,
+        ranks' slots left out; in the expert kernels, whose launch shapes are fixed, they weigh 0:
+        `DeepseekV41Shard.local_routes`) summed over the ranks in fp32,
         plus the shared expert's bf16 output: a sharded one's fp32 shares summed in the same
         all-reduce and rounded once, a replicated one computed whole."""
-        weights, indices = self.shard.local_routes(weights, indices, len(self.experts))
         if self.numerics.exact:
             out = self._routed_exact(x, weights, indices)
         elif use_moe_experts_kernel(x, indices, self.routed_weight_dtype, self.numerics.backend("moe_experts", x.device)):
-            out = self._routed_kernels(x, weights, indices, None)
+            local = self.shard.local_routes(weights, indices, self.expert_offset, len(self.experts))
+            out = self._routed_kernels(x, *local, None)
         else:
             out = self._routed_grouped(x, weights, indices)
         if self.shared_sharded:

@@ -10,9 +10,10 @@ text config as transformers' ``base_model_tp_plan`` / ``base_model_ep_plan``) sa
   needs every head's score, and its scores are computed whole on every rank.
 - **the shared expert** (``colwise`` ``w1`` / ``w3``, ``rowwise`` ``w2``) where its width divides
   into 32-blocks per rank; otherwise replicated.
-- **routed experts** by expert (``ep``): rank r holds experts ``r*E/N .. (r+1)*E/N - 1``. The gate
-  is replicated, every rank routes every token, and each rank's experts add their terms; the
-  other ranks' choices weigh 0 here (:meth:`DeepseekV41Shard.local_routes`).
+- **routed experts** by expert (``ep_dispatch_experts``): rank r holds experts ``r*E/N .. (r+1)*E/N - 1``. The gate
+  is replicated, every rank routes every token, and each rank's experts add their terms (the
+  other ranks' slots are left out; in the expert kernels they weigh 0,
+  :meth:`DeepseekV41Shard.local_routes`).
 - **the head** by vocabulary (``colwise``), the logits gathered on every rank.
 - **Engram tables** by rows (``embedding_rowwise``; shares of ``ceil(rows/N)``, as the released
   tables' row counts need): each rank dequantizes the looked-up rows it holds, and one all-reduce
@@ -44,15 +45,17 @@ from torch import nn
 
 from .configuration_deepseek_v41_vl import DeepseekV41TextConfig
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
+from .load_checks_deepseek_v41_vl import checkpoint_tensor_files
 from .quantization_deepseek_v41_vl import QUANT_BLOCK, DeepseekV41Linear
 
 # transformers' plan vocabulary, declared on the text config: "colwise" splits a weight's rows
-# (its outputs), "rowwise" its columns (its inputs), "embedding_rowwise" a table's rows; "ep"
-# holds a slice of the routed experts.
+# (its outputs), "rowwise" its columns (its inputs), "embedding_rowwise" a table's rows;
+# "ep_dispatch_experts" gives each rank a slice of the routed experts (transformers'
+# ``ep_implementation="all_reduce"``: every rank routes every token, the outputs are summed).
 TP_PLAN = DeepseekV41TextConfig.base_model_tp_plan
 EP_PLAN = DeepseekV41TextConfig.base_model_ep_plan
 
-_SPLIT_DIM = {"colwise": 0, "rowwise": 1}
+_SPLIT_DIM = {"colwise": 0, "rowwise": 1, "embedding_rowwise": 0}
 
 
 class DeepseekV41ParallelError(DeepseekV41ModelError):
@@ -91,6 +94,7 @@ class DeepseekV41Shard:
         return slice(self.rank * share, (self.rank + 1) * share)
 
     def divides(self, n: int, block: int = 1) -> bool:
+        """Whether `n` items split into N shares of whole `block`s (:meth:`part` would take it)."""
         return n % (self.size * block) == 0
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
@@ -120,19 +124,21 @@ class DeepseekV41Shard:
         dist.all_gather(parts, local.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
-    def local_routes(self, weights: torch.Tensor, indices: torch.Tensor, n_local: int):
-        """The routing as this rank's experts see it: each (token, slot) of an expert held here
-        keeps its weight and gets the local expert id; a slot of another rank's expert gets weight
-        0 on local expert 0 (it adds exact zeros: a clamped SwiGLU output is finite).
+    @staticmethod
+    def local_routes(weights: torch.Tensor, indices: torch.Tensor, first: int, n_local: int):
+        """The routing as the expert kernels of a rank holding experts ``first .. first +
+        n_local - 1`` take it (one launch, shapes fixed): each (token, slot) of an expert held
+        here keeps its weight and gets the local expert id; a slot of another rank's expert gets
+        weight 0 on local expert 0 (it adds exact zeros: a clamped SwiGLU output is finite).
 
         Args:
             weights: fp32 ``[T, k]``; indices: int ``[T, k]`` global expert ids.
-            n_local: experts held here (they are ``rank*n_local ..``).
+            first, n_local: the experts held here.
 
         Returns:
             (weights, indices) of the same shapes and dtypes.
         """
-        local = indices - self.rank * n_local
+        local = indices - first
         held = (local >= 0) & (local < n_local)
         return torch.where(held, weights, torch.zeros_like(weights)), torch.where(held, local, torch.zeros_like(local))
 
@@ -160,12 +166,17 @@ def world_shard(group=None) -> DeepseekV41Shard:
     return DeepseekV41Shard(dist.get_rank(group), dist.get_world_size(group), group)
 
 
-def _plan_style(name: str, plan: dict[str, str]) -> str | None:
-    """The style of module or parameter `name` (relative to the backbone) in `plan`."""
+def _plan_style(name: str, plan: dict[str, str]) -> str:
+    """The style of module or parameter `name` (relative to the backbone) in `plan`.
+
+    Raises:
+        DeepseekV41ParallelError: the plan names no style for it (the plan and this module's
+            splits must agree).
+    """
     for pattern, style in plan.items():
         if re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), name):
             return style
-    return None
+    raise DeepseekV41ParallelError(f"the parallel plan has no entry for {name}")
 
 
 def _meta_linear(like: DeepseekV41Linear, in_features: int, out_features: int) -> DeepseekV41Linear:
@@ -173,10 +184,14 @@ def _meta_linear(like: DeepseekV41Linear, in_features: int, out_features: int) -
         return DeepseekV41Linear(in_features, out_features, like.weight_dtype, like.numerics)
 
 
+def _block(linear: DeepseekV41Linear) -> int:
+    """The unit a split of `linear` must keep whole: a 32-block of a quantized weight's scales."""
+    return QUANT_BLOCK if linear.is_quantized else 1
+
+
 def _split_linear(linear: DeepseekV41Linear, style: str, shard: DeepseekV41Shard, what: str) -> DeepseekV41Linear:
     """`linear` as this rank holds it under `style` (a new module on the meta device)."""
-    quantized = linear.weight_dtype in ("fp8", "fp4")
-    block = QUANT_BLOCK if quantized else 1
+    block = _block(linear)
     if style == "colwise":
         rows = shard.part(linear.out_features, f"{what} outputs", block)
         return _meta_linear(linear, linear.in_features, rows.stop - rows.start)
@@ -209,6 +224,7 @@ def shard_model(backbone: nn.Module, shard: DeepseekV41Shard) -> dict[str, tuple
             if getattr(layer, "engram", None) is not None:
                 _shard_engram_table(layer.engram.embed, shard, f"{prefix}.engram.embed", splits)
     head = backbone.head
+    _plan_style("head", TP_PLAN)
     rows = shard.part(head.out_features, "the head's vocabulary")
     with torch.device("meta"):
         head.weight = nn.Parameter(torch.empty(rows.stop - rows.start, head.in_features, dtype=head.weight.dtype))
@@ -235,17 +251,18 @@ def _shard_attention(attn: nn.Module, shard: DeepseekV41Shard, prefix: str, spli
     attn.n_heads = attn.n_groups * heads_per_group
     with torch.device("meta"):
         attn.attn_sink = nn.Parameter(torch.empty(attn.n_heads, dtype=attn.attn_sink.dtype))
-    splits[f"{where}.attn_sink"] = (0, True)
+    splits[f"{where}.attn_sink"] = (_SPLIT_DIM[_plan_style(f"{where}.attn_sink", TP_PLAN)], True)
     attn.shard = shard
 
 
 def _shard_moe(moe: nn.Module, shard: DeepseekV41Shard, prefix: str, splits: dict) -> None:
     where = f"{prefix}.ffn"
+    _plan_style(f"{where}.experts", EP_PLAN)
     experts = shard.part(moe.n_routed_experts, f"{where}: routed experts")
     moe.experts = nn.ModuleList(list(moe.experts)[experts])
+    moe.expert_offset = experts.start
     shared = moe.shared_experts
-    block = QUANT_BLOCK if shared.w1.weight_dtype in ("fp8", "fp4") else 1
-    moe.shared_sharded = shard.divides(shared.w1.out_features, block)
+    moe.shared_sharded = shard.divides(shared.w1.out_features, _block(shared.w1))
     if moe.shared_sharded:
         for name in ("w1", "w3", "w2"):
             style = _plan_style(f"{where}.shared_experts.{name}", TP_PLAN)
@@ -257,6 +274,7 @@ def _shard_moe(moe: nn.Module, shard: DeepseekV41Shard, prefix: str, splits: dic
 
 
 def _shard_engram_table(table: nn.Module, shard: DeepseekV41Shard, where: str, splits: dict) -> None:
+    _plan_style(where, TP_PLAN)
     rows = shard.part(table.num_embeddings, f"{where} rows", even=False)
     with torch.device("meta"):
         table.weight = nn.Parameter(table.weight.new_empty(rows.stop - rows.start, table.head_dim), requires_grad=False)
@@ -274,8 +292,7 @@ def checkpoint_name(name: str, backbone: nn.Module) -> str:
         return name
     stack = backbone.layers if name.startswith("layers") else backbone.mtp
     moe = stack[int(match.group(2))].ffn
-    first = moe.shard.rank * len(moe.experts)
-    return f"{match.group(1)}{first + int(match.group(3))}{match.group(4)}"
+    return f"{match.group(1)}{moe.expert_offset + int(match.group(3))}{match.group(4)}"
 
 
 def read_split(source, split: tuple[int, bool] | None, shard: DeepseekV41Shard) -> torch.Tensor:
@@ -321,11 +338,15 @@ def parallel_request(kwargs: dict) -> DeepseekV41Shard | None:
         raise DeepseekV41ParallelError("pass either distributed_config or tp_plan / tp_size, not both")
     if config is not None and not isinstance(config, dict):
         config = {key: getattr(config, key, None) for key in ("tp_size", "tp_plan", "ep_size", "ep_plan", "fsdp_size",
-                                                            "dp_replicate_size", "pp_size")}
+                                                            "dp_replicate_size", "pp_size", "enable_sequence_parallel")}
     config = dict(config or {"tp_size": given.get("tp_size"), "tp_plan": given.get("tp_plan", "auto")})
     for key in ("fsdp_size", "dp_replicate_size", "pp_size"):
         if (config.get(key) or 1) != 1:
             raise DeepseekV41ParallelError(f"{key}={config[key]} is not supported: only tensor and expert parallelism")
+    if config.get("enable_sequence_parallel"):
+        raise DeepseekV41ParallelError("enable_sequence_parallel is not supported: only tensor and expert parallelism")
+    if config.get("tp_size") == 1:
+        return None  # transformers' meaning: no tensor parallelism (every process loads the whole model)
     for key in ("tp_plan", "ep_plan"):
         if config.get(key) not in (None, "auto"):
             raise DeepseekV41ParallelError(
@@ -389,53 +410,37 @@ def sharded_load_config(config_class, path, kwargs: dict):
 
 
 def _start_process_group() -> None:
+    """The default process group from torchrun's environment (NCCL where CUDA is available, else
+    gloo), unless one is started; each rank on its ``LOCAL_RANK`` GPU before NCCL binds one."""
     import os
 
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        return
-    if "WORLD_SIZE" not in os.environ:
+    if not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
         raise DeepseekV41ParallelError(
             "tensor parallelism needs one process per rank: launch with torchrun --nproc-per-node N"
         )
-    if torch.cuda.is_available():  # each rank on its own GPU before NCCL binds one
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0))))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
 def rank_device(shard: DeepseekV41Shard) -> torch.device:
-    """The device a rank's weights live on: its local GPU under NCCL, else the CPU."""
+    """The device a rank's weights live on: its GPU where the group runs NCCL (``LOCAL_RANK``'s,
+    set by :func:`parallel_request`), else the CPU."""
     import torch.distributed as dist
 
-    if dist.get_backend(shard.group) == "nccl":
+    if "nccl" in str(dist.get_backend(shard.group)):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _folder_tensors(path) -> dict[str, str]:
-    """Tensor name -> safetensors file of a converted folder (its index, else its one file)."""
-    import json
-    import os
-
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            return {name: os.path.join(path, file) for name, file in json.load(f)["weight_map"].items()}
-    single = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(single):
-        raise DeepseekV41ParallelError(f"{path} holds no model.safetensors(.index.json): tensor parallelism loads a local converted folder")
-    from safetensors import safe_open
-
-    with safe_open(single, framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
-
-
 def load_shards(model: nn.Module, path, shard: DeepseekV41Shard, device: torch.device) -> None:
     """Shard `model` (a transformers class of this model on the meta device, backbone at
-    ``model.model``) for `shard.rank`, allocate it on `device` and fill every tensor from the
-    converted folder `path`, each read as this rank's slice only (safetensors ``get_slice``).
-    A folder without ``mtp.*`` tensors loads without the draft head.
+    ``model.model``, its draft head settled by `load_checks.settle_draft_head`) for
+    `shard.rank`, allocate it on `device` and fill every tensor from the converted folder `path`,
+    each read as this rank's slice only (safetensors ``get_slice``).
 
     Raises:
         DeepseekV41ParallelError: the folder lacks a tensor the model holds (named), or the
@@ -443,10 +448,10 @@ def load_shards(model: nn.Module, path, shard: DeepseekV41Shard, device: torch.d
     """
     from safetensors import safe_open
 
-    files = _folder_tensors(path)
+    files = checkpoint_tensor_files(path)
+    if files is None:
+        raise DeepseekV41ParallelError(f"{path} holds no model.safetensors(.index.json): tensor parallelism loads a converted folder")
     backbone = model.model
-    if backbone.mtp is not None and not any(name.startswith("model.mtp.") for name in files):
-        backbone.mtp = None
     splits = shard_model(backbone, shard)
     model.to_empty(device=device)
     wanted: dict[str, list[tuple[str, torch.Tensor, tuple[int, bool] | None]]] = {}

@@ -489,7 +489,7 @@ def fp32_sums(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.is_cuda and x.dtype == weight.dtype == torch.bfloat16:
         try:
             return torch.mm(x.reshape(-1, x.size(-1)), weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
-        except (TypeError, RuntimeError, NotImplementedError):
+        except (TypeError, NotImplementedError):  # a torch without ``out_dtype`` for this GEMM
             pass
     return F.linear(x.float(), weight.float())
 

@@ -7,7 +7,7 @@ saw to ``OUT/rank{r}.pt``.
 
 - ``prefill/<run>``: fp32 logits of the golden prefill of `run` ("vl": two images; "text"), when
   ``--golden`` is given (the folder is then the converted golden `model_tiny_fp8`);
-- ``prompt``: logits of a fixed text prompt;
+- ``prompt``: logits of a fixed text prompt (``prompt_with_grad_mode``: outside ``no_grad``);
 - ``greedy``: 2 greedy tokens after the first of those prompts; ``sampled``: 4 sampled ones
   (no seed set);
 - ``turn``: with ``--photos``, 2 greedy tokens of the second turn (a new image) of a conversation on
@@ -71,6 +71,8 @@ def main() -> None:
             prompt = torch.tensor(PROMPT)
             seen["plain"] = model.generate(input_ids=prompt, do_sample=False, max_new_tokens=4)[:, n:]
             seen["draft"] = model.generate(input_ids=prompt, do_sample=False, max_new_tokens=4, use_mtp=True)[:, n:]
+    # a forward outside no_grad, as one process allows it (a rank's parameters need no gradient)
+    seen["prompt_with_grad_mode"] = model(input_ids=torch.tensor(PROMPT), use_cache=False).logits.detach()
     rank = int(os.environ.get("RANK", 0))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     torch.save(seen, Path(args.out) / f"rank{rank}.pt")

@@ -26,10 +26,12 @@ from deepseek_v41_vl.modeling.parallel_deepseek_v41_vl import (
 )
 
 WORKER = Path(__file__).with_name("parallel_worker.py")
-# a sharded sum adds in another order than one process, and the tiny random models amplify it
-# (the bounds of the issue: rel L2 of the prefill logits, the share of equal argmaxes)
-LOGITS_REL_L2 = 0.05
-ARGMAX_AGREEMENT = 0.9
+# a rank's share is added to the others' in fp32 and rounded once, as one process rounds its one
+# sum: the logits differ only by the order of fp32 additions, which the tiny random models can
+# amplify (on the fixture CPU the text runs are bit-equal and the VL prefill is 2.5e-4 off). Much
+# tighter than an error in the shards would give: another rank's attention sinks give 2e-2.
+LOGITS_REL_L2 = 2e-3
+ARGMAX_AGREEMENT = 0.98
 
 
 def _run_worker(folder: Path, out: Path, ranks: int, *extra: str) -> list[dict]:
@@ -233,12 +235,12 @@ def test_engram_rows_split_unevenly_add_up_exactly(rows, ranks, monkeypatch):
         table = DeepseekV41EngramEmbedding(rows, 64)
         shard = DeepseekV41Shard(rank=rank, size=ranks)
         splits = {}
-        parallel._shard_engram_table(table, shard, "t", splits)
+        parallel._shard_engram_table(table, shard, "layers.1.engram.embed", splits)
         table = table.to_empty(device="cpu")
         part = shard.part(rows, "rows", even=False)
         table.weight.data.copy_(whole.weight.data[part])
         table.scale.data.view(torch.uint8).copy_(whole.scale.data[part].view(torch.uint8))
-        assert splits == {"t.weight": (0, False), "t.scale": (0, False)}
+        assert splits == {"layers.1.engram.embed.weight": (0, False), "layers.1.engram.embed.scale": (0, False)}
         total += table(indices).float()
     assert torch.equal(total.to(torch.bfloat16), whole(indices))
 
@@ -261,8 +263,7 @@ def test_a_rank_refuses_to_save_or_resize(converted_tiny_fp8, tmp_path):
 
 def test_the_readme_example_runs_as_written_on_two_ranks(converted_tiny_fp8, tmp_path):
     """README's parallel example as written, under ``torchrun --nproc-per-node 2`` and (one
-    process) ``--nproc-per-node 1``: rank 0 prints the decoded tokens, and the two texts begin
-    alike (the tiny random model is chaotic: a later token may flip on a fp32 summation order)."""
+    process) ``--nproc-per-node 1``: rank 0 prints the decoded tokens, the same text."""
     import shutil
 
     from test_readme_snippets import readme_example
@@ -279,7 +280,7 @@ def test_the_readme_example_runs_as_written_on_two_ranks(converted_tiny_fp8, tmp
         done = subprocess.run(launch, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-6000:]
         texts.append(done.stdout.split())
-    assert len(texts[0]) >= 4 and texts[1][:4] == texts[0][:4], texts
+    assert texts[0] and texts[1] == texts[0], texts
 
 
 def test_readme_memory_table_is_what_the_model_holds():
@@ -318,22 +319,29 @@ def test_a_rank_load_takes_config_arguments_and_refuses_others(converted_tiny_fp
         sharded_load_config(DeepseekV41Config, converted_tiny_fp8, {"adapter_kwargs": {"_adapter_model_path": "a"}})
 
 
-@pytest.mark.parametrize("numerics", ["exact", "fast"])
-def test_expert_parallel_moe_shares_add_up_to_one_process(numerics, monkeypatch):
-    """The MoE of rank 0 and rank 1 of 2 (all-reduce replaced by collecting the shares): a token
-    whose two experts are both on one rank sends two zero-weight slots to the other rank's
-    expert 0; every slot still adds (the exact loop adds with `index_add_`), and the two shares
-    (two fp32 terms a token) add up to one process's MoE output, bit for bit."""
+@pytest.mark.parametrize("path", ["exact", "grouped", "prefill", "kernels"])
+def test_expert_parallel_moe_shares_add_up_to_one_process(path, monkeypatch):
+    """The MoE of rank 0 and rank 1 of 2 (all-reduce replaced by collecting the shares), on each
+    routed path: the exact loop, the grouped loop and the grouped prefill kernels run only the
+    slots of the experts held here; the decode kernels give the other ranks' slots weight 0 on
+    local expert 0 (a token whose two experts are both on rank 1 sends two such slots to rank 0's
+    expert 0). The two shares (two fp32 terms a token) add up to one process's MoE output, bit for
+    bit."""
     import copy
 
     from torch import nn
 
     from deepseek_v41_vl.modeling.moe_deepseek_v41_vl import DeepseekV41MoE
+    from helpers import with_backends
     from random_storage import fill_quantized_storage
 
     config = DeepseekV41TextConfig(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
-                                   swiglu_limit=10.0, numerics=numerics, expert_weight_dtype="fp4", weight_dtype="fp8")
+                                   swiglu_limit=10.0, numerics="exact" if path == "exact" else "fast",
+                                   expert_weight_dtype="fp4", weight_dtype="fp8")
     moe = DeepseekV41MoE(config, 0).eval()
+    if path != "exact":
+        backends = {"grouped": ("torch", "torch"), "prefill": ("torch", "triton"), "kernels": ("triton", "torch")}[path]
+        with_backends(moe, moe_experts=backends[0], moe_prefill=backends[1])
     gen = torch.Generator().manual_seed(0)
     fill_quantized_storage(moe, gen)
     moe.gate.weight.data.copy_(torch.randn(moe.gate.weight.shape, generator=gen).bfloat16())
@@ -349,8 +357,41 @@ def test_expert_parallel_moe_shares_add_up_to_one_process(numerics, monkeypatch)
     for rank in range(2):
         part = copy.deepcopy(moe)
         part.experts = nn.ModuleList(list(part.experts)[rank * 4 : (rank + 1) * 4])
-        part.shard = DeepseekV41Shard(rank=rank, size=2)
+        part.expert_offset, part.shard = rank * 4, DeepseekV41Shard(rank=rank, size=2)
         with torch.no_grad():
             part(x)
     got = (shares[0] + shares[1] + moe.shared_experts(x[0])).to(torch.bfloat16)
-    assert torch.equal(got, want[0])
+    if path == "kernels":  # the kernels' fp32 sums in another order than the combine of one process
+        assert (got.float() - want[0].float()).abs().max() <= 2**-7 * want.float().abs().max()
+    else:
+        assert torch.equal(got, want[0])
+
+
+def test_the_declared_plans_are_what_shards_the_model(four_way_tiny):
+    """`base_model_tp_plan` / `base_model_ep_plan` and `shard_model` agree: every entry of the
+    plans splits something (every layer and draft block), and nothing splits outside them."""
+    from transformers import AutoConfig
+
+    from deepseek_v41_vl.modeling.loading_deepseek_v41_vl import empty_model, model_class_for
+
+    config = AutoConfig.from_pretrained(four_way_tiny, trust_remote_code=True)
+    backbone = empty_model(config, model_class_for(config)).model
+    experts_before = {name: len(m) for name, m in backbone.named_modules() if name.endswith("ffn.experts")}
+    splits = shard_model(backbone, DeepseekV41Shard(rank=0, size=2))
+    split = {name if name.endswith("attn_sink") else name.rsplit(".", 1)[0] for name, how in splits.items() if how}
+
+    def matches(pattern: str, name: str) -> bool:
+        return re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), name) is not None
+
+    plan = DeepseekV41TextConfig.base_model_tp_plan
+    stacks = {"layers": len(backbone.layers), "mtp": len(backbone.mtp)}
+    for pattern in plan:
+        hits = [name for name in split if matches(pattern, name)]
+        want = stacks[pattern.split(".")[0]] if "*" in pattern else 1
+        if pattern.startswith("layers.*.engram"):
+            want = len(config.text_config.engram_layer_ids)
+        assert len(hits) == want, (pattern, hits)
+    assert all(any(matches(pattern, name) for pattern in plan) for name in split)
+    for pattern in DeepseekV41TextConfig.base_model_ep_plan:
+        held = {name: len(m) for name, m in backbone.named_modules() if matches(pattern, name)}
+        assert held and all(2 * n == experts_before[name] for name, n in held.items())

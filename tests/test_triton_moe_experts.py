@@ -419,7 +419,7 @@ def test_expert_parallel_shares_add_up_to_the_routed_sum(ranks, top_k, monkeypat
     for rank in range(ranks):
         part = copy.deepcopy(moe)
         part.experts = nn.ModuleList(list(part.experts)[rank * local : (rank + 1) * local])
-        part.shard = DeepseekV41Shard(rank=rank, size=ranks)
+        part.expert_offset, part.shard = rank * local, DeepseekV41Shard(rank=rank, size=ranks)
         with torch.inference_mode():
             part(x[None])
     assert len(partials) == len(calls) == ranks and all(p.dtype == torch.float32 for p in partials)
