@@ -44,7 +44,7 @@ from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Co
 from deepseek_v41_vl.modeling.exceptions_deepseek_v41_vl import DeepseekV41ModelError
 
 from golden_models import run_inputs
-from golden_bits import CHAIN_REL_L2, assert_golden
+from golden_bits import CHAIN_REL_L2, DRAFT_REL_L2, assert_golden, assert_golden_chain
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -379,9 +379,9 @@ def test_mtp_weights_are_kept_and_the_converted_folder_drafts_like_the_reference
         model.draft(out.logits[:, -1].argmax(-1), out.main_hidden, 0, rings)
         out = model(want["step.0.input_token"].view(-1, 1), cache=cache, output_main_hidden=True)
         ids, logits, confidence = model.draft(out.logits[:, -1].argmax(-1), out.main_hidden, want["input_ids"].size(1), rings)
-    assert_golden(ids, want["step.0.draft_ids"], "step.0.draft_ids")
-    assert_golden(logits, want["step.0.draft_logits"], "step.0.draft_logits")
-    assert_golden(confidence, want["step.0.confidence"], "step.0.confidence")
+    assert_golden_chain(ids, want["step.0.draft_ids"], "step.0.draft_ids")
+    assert_golden_chain(logits, want["step.0.draft_logits"], "step.0.draft_logits", DRAFT_REL_L2)
+    assert_golden_chain(confidence, want["step.0.confidence"], "step.0.confidence", DRAFT_REL_L2)
 
 
 def test_a_folder_without_the_draft_head_loads_as_before_and_refuses_to_draft(golden, tmp_path, caplog):
