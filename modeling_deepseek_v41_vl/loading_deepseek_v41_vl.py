@@ -681,9 +681,10 @@ class DeepseekV41LoadingMixin:
             raise DeepseekV41ParallelError(f"{path} is a --link folder: tensor parallelism loads a converted folder")
         model = empty_model(config, cls)
         settle_draft_head(model, path)  # a folder without mtp.* loads without a draft head
-        load_shards(model, path, shard, rank_device(shard))
+        device = rank_device(shard)
+        load_shards(model, path, shard, device)
         model.requires_grad_(False)  # a rank runs inference only: its collectives carry no gradient
-        seed_alike(shard, rank_device(shard))
+        seed_alike(shard, device)
         _restore_host_tensors(model)
         if kwargs.get("check_finite", True):
             check_finite_weights(model, path)

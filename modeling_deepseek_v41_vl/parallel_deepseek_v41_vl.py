@@ -237,16 +237,23 @@ def shard_model(backbone: nn.Module, shard: DeepseekV41Shard) -> dict[str, tuple
     return splits
 
 
+def _split_linears(owner: nn.Module, names: tuple[str, ...], where: str, shard: DeepseekV41Shard, splits: dict) -> None:
+    """Replace each linear `owner.<name>` by this rank's share under its plan style, and record
+    how its weight (and scale) split."""
+    for name in names:
+        style = _plan_style(f"{where}.{name}", TP_PLAN)
+        linear = _split_linear(getattr(owner, name), style, shard, f"{where}.{name}")
+        setattr(owner, name, linear)
+        for param in ("weight", "scale"):
+            if hasattr(linear, param):
+                splits[f"{where}.{name}.{param}"] = (_SPLIT_DIM[style], True)
+
+
 def _shard_attention(attn: nn.Module, shard: DeepseekV41Shard, prefix: str, splits: dict) -> None:
     where = f"{prefix}.attn"
     groups = shard.part(attn.n_groups, f"{where}: o_groups")
     heads_per_group = attn.n_heads // attn.n_groups
-    for name in ("wq_b", "wo_a", "wo_b"):
-        style = _plan_style(f"{where}.{name}", TP_PLAN)
-        setattr(attn, name, _split_linear(getattr(attn, name), style, shard, f"{where}.{name}"))
-        for param in ("weight", "scale"):
-            if hasattr(getattr(attn, name), param):
-                splits[f"{where}.{name}.{param}"] = (_SPLIT_DIM[style], True)
+    _split_linears(attn, ("wq_b", "wo_a", "wo_b"), where, shard, splits)
     attn.n_groups = groups.stop - groups.start
     attn.n_heads = attn.n_groups * heads_per_group
     with torch.device("meta"):
@@ -264,24 +271,19 @@ def _shard_moe(moe: nn.Module, shard: DeepseekV41Shard, prefix: str, splits: dic
     shared = moe.shared_experts
     moe.shared_sharded = shard.divides(shared.w1.out_features, _block(shared.w1))
     if moe.shared_sharded:
-        for name in ("w1", "w3", "w2"):
-            style = _plan_style(f"{where}.shared_experts.{name}", TP_PLAN)
-            setattr(shared, name, _split_linear(getattr(shared, name), style, shard, f"{where}.shared_experts.{name}"))
-            for param in ("weight", "scale"):
-                if hasattr(getattr(shared, name), param):
-                    splits[f"{where}.shared_experts.{name}.{param}"] = (_SPLIT_DIM[style], True)
+        _split_linears(shared, ("w1", "w3", "w2"), f"{where}.shared_experts", shard, splits)
     moe.shard = shard
 
 
 def _shard_engram_table(table: nn.Module, shard: DeepseekV41Shard, where: str, splits: dict) -> None:
-    _plan_style(where, TP_PLAN)
+    dim = _SPLIT_DIM[_plan_style(where, TP_PLAN)]
     rows = shard.part(table.num_embeddings, f"{where} rows", even=False)
     with torch.device("meta"):
         table.weight = nn.Parameter(table.weight.new_empty(rows.stop - rows.start, table.head_dim), requires_grad=False)
         table.scale = nn.Parameter(table.scale.new_empty(rows.stop - rows.start, table.scale.size(1)), requires_grad=False)
     table.row_offset = rows.start
     table.shard = shard
-    splits[f"{where}.weight"] = splits[f"{where}.scale"] = (0, False)
+    splits[f"{where}.weight"] = splits[f"{where}.scale"] = (dim, False)
 
 
 def checkpoint_name(name: str, backbone: nn.Module) -> str:
