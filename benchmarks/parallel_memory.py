@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
-from deepseek_v41_vl.modeling.loading_deepseek_v41_vl import empty_model, model_class_for
+from deepseek_v41_vl.modeling.model_classes_deepseek_v41_vl import empty_model, model_class_for
 from deepseek_v41_vl.modeling.parallel_deepseek_v41_vl import DeepseekV41Shard, shard_model
 
 RELEASED = Path(__file__).resolve().parents[1] / "configs" / "deepseek_v41_flash.json"

@@ -519,7 +519,7 @@ class DeepseekV41EngramEmbedding(nn.Module):
 
     The table may live on another device than the layer that calls it (a ``device_map`` entry
     ``model.layers.{i}.engram.embed: "cpu"`` keeps it in host memory while the layer runs on a GPU,
-    see `loading_deepseek_v41_vl.py`): then only the indices travel to the table and only
+    see `engram_placement_deepseek_v41_vl.py`): then only the indices travel to the table and only
     the looked-up bf16 rows travel back.
     """
 

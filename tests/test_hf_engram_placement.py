@@ -1,4 +1,4 @@
-"""Engram tables resident on the CPU under a `device_map` (`loading_deepseek_v41_vl.py`).
+"""Engram tables resident on the CPU under a `device_map` (`engram_placement_deepseek_v41_vl.py`).
 
 What a CPU machine can check: the map arithmetic (which tables stay resident, which maps are
 refused), that transformers places a table entry below its layer's entry, the map
@@ -22,16 +22,16 @@ from safetensors.torch import load_file
 import deepseek_v41_vl  # noqa: F401
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
 from deepseek_v41_vl.modeling.engram_deepseek_v41_vl import ENGRAM_SCALE_BLOCK, DeepseekV41EngramEmbedding
-from deepseek_v41_vl.modeling.loading_deepseek_v41_vl import (
+from deepseek_v41_vl.modeling.engram_placement_deepseek_v41_vl import (
     DeepseekV41EngramPlacementError,
     check_engram_placement,
     device_map_with_engram_tables,
-    empty_model,
     engram_offload_device_map,
     engram_table_names,
     explicit_engram_tables,
     resident_engram_tables,
 )
+from deepseek_v41_vl.modeling.model_classes_deepseek_v41_vl import empty_model
 from transformers import AutoModelForImageTextToText, AutoProcessor
 from transformers.integrations.accelerate import compute_module_sizes, expand_device_map
 from golden_bits import CHAIN_REL_L2, TOKENS_PREFIX, assert_golden

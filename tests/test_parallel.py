@@ -141,7 +141,7 @@ def test_one_rank_reads_its_slices(converted_tiny_fp8, monkeypatch):
     routed experts are the second half, renumbered from 0."""
     from transformers import AutoConfig
     from deepseek_v41_vl.modeling import parallel_deepseek_v41_vl as parallel
-    from deepseek_v41_vl.modeling.loading_deepseek_v41_vl import empty_model, model_class_for
+    from deepseek_v41_vl.modeling.model_classes_deepseek_v41_vl import empty_model, model_class_for
     from safetensors.torch import load_file
 
     whole = load_file(converted_tiny_fp8 / "model.safetensors")
@@ -175,7 +175,7 @@ def test_one_rank_reads_its_slices(converted_tiny_fp8, monkeypatch):
 
 def test_sizes_that_do_not_split_are_refused(converted_tiny_fp8):
     from transformers import AutoConfig
-    from deepseek_v41_vl.modeling.loading_deepseek_v41_vl import empty_model, model_class_for
+    from deepseek_v41_vl.modeling.model_classes_deepseek_v41_vl import empty_model, model_class_for
 
     config = AutoConfig.from_pretrained(converted_tiny_fp8, trust_remote_code=True)
     with pytest.raises(DeepseekV41ParallelError, match="o_groups \\(2\\) does not split over 4 ranks"):
@@ -249,7 +249,7 @@ def test_a_rank_refuses_to_save_or_resize(converted_tiny_fp8, tmp_path):
     """A rank holds a share of the weights: saving it would write a broken folder, and a resize
     would cut the vocabulary share; both are refused by name."""
     from transformers import AutoConfig
-    from deepseek_v41_vl.modeling.loading_deepseek_v41_vl import empty_model, model_class_for
+    from deepseek_v41_vl.modeling.model_classes_deepseek_v41_vl import empty_model, model_class_for
 
     config = AutoConfig.from_pretrained(converted_tiny_fp8, trust_remote_code=True)
     model = empty_model(config, model_class_for(config))
@@ -372,7 +372,7 @@ def test_the_declared_plans_are_what_shards_the_model(four_way_tiny):
     plans splits something (every layer and draft block), and nothing splits outside them."""
     from transformers import AutoConfig
 
-    from deepseek_v41_vl.modeling.loading_deepseek_v41_vl import empty_model, model_class_for
+    from deepseek_v41_vl.modeling.model_classes_deepseek_v41_vl import empty_model, model_class_for
 
     config = AutoConfig.from_pretrained(four_way_tiny, trust_remote_code=True)
     backbone = empty_model(config, model_class_for(config)).model
