@@ -343,19 +343,20 @@ class DeepseekV41Attention(nn.Module):
         Mirrors `inference/model.py: Attention.forward` with ``start_pos > 0``.
         """
         freqs = step.freqs(self.rotary)
-        qr = self.q_norm(self.wq_a(x))
         own = step.cache.layer(self.layer_id)
-        own.window_kv.index_copy_(1, step.window_slot(self.window), self.window_kv_rows(x, freqs))
         window_idxs = step.window_idxs(self.window)
+        # the keys (the ring's row; a kv source's compressed row and index key) beside the queries
+        keys = step.aside(self._decode_keys, x, freqs, own, step.window_slot(self.window), step)
+        qr = self.q_norm(self.wq_a(x))
         q = self.queries(qr, freqs)
+        if self.is_index_source:
+            index_q, index_weights = self.indexer.queries(x, qr, freqs)
+        keys.join()
         if not self.ratio:
             return self._sparse(q, own.window_kv, window_idxs)
-        if self.is_kv_source:
-            self._decode_compress(x, freqs, own, step)
         width = step.width(self.ratio)
         if self.is_index_source:
             visible = ((step.positions + 1) // self.ratio).view(-1, 1, 1)
-            index_q, index_weights = self.indexer.queries(x, qr, freqs)
             topk_idxs, blocks = self.indexer.decode_select(
                 index_q, index_weights, step.published_keys(width), visible, self.window, step.candidate_blocks
             )
@@ -379,6 +380,15 @@ class DeepseekV41Attention(nn.Module):
             own.compressed_kv = own.row_buffer("compressed_kv", ring[:, :0], self.ratio)
         if self.indexer is not None and self.indexer.owns_k and own.index_k is None:
             own.index_k = own.row_buffer("index_k", ring.new_empty(ring.size(0), 0, self.indexer.head_dim), 1)
+
+    def _decode_keys(self, x: torch.Tensor, freqs: torch.Tensor, own, slot: torch.Tensor, step: DeepseekV41DecodeStep) -> None:
+        """The keys a decode step writes (see :meth:`decode_step`): the window ring's row at `slot`,
+        and a kv source's compressor state, compressed row and index key, and `step.publisher`
+        (in place); nothing the queries read. Run by `step.aside` (on CUDA a side stream) and
+        joined before anything reads them."""
+        own.window_kv.index_copy_(1, slot, self.window_kv_rows(x, freqs))
+        if self.ratio and self.is_kv_source:
+            self._decode_compress(x, freqs, own, step)
 
     def _decode_compress(self, x: torch.Tensor, freqs: torch.Tensor, own, step: DeepseekV41DecodeStep) -> None:
         """A kv source's part of a decode step: the latent of each row's current group (see

@@ -22,10 +22,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from .cache_deepseek_v41_vl import DeepseekV41AttentionCache
+from .cuda_graphs_deepseek_v41_vl import in_line
 from .exceptions_deepseek_v41_vl import DeepseekV41AttentionError
 
 
@@ -165,6 +167,12 @@ class DeepseekV41DecodeStep:
         topk_idxs, candidate_blocks: the hand-downs of the index sources and the candidate source
             within the step (`inference/model.py: SharedAttentionRuntime`).
         hidden_taps: as `DeepseekV41AttentionState.hidden_taps` (the draft head's `main_hidden`).
+        aside: ``aside(fn, *args) -> handle`` (``handle.join()`` gives ``fn(*args)``), how a layer
+            runs work that what comes next does not read (the mHC mixes and their Sinkhorn, the
+            attention's keys, the shared expert): on CUDA a
+            `cuda_graphs_deepseek_v41_vl.SideStream`, so that it overlaps; elsewhere `in_line`.
+            The step's tables (:meth:`freqs`, :meth:`window_slot`, :meth:`window_idxs`) are
+            built before a fork, on the current stream.
     """
 
     cache: DeepseekV41AttentionCache
@@ -178,6 +186,7 @@ class DeepseekV41DecodeStep:
     topk_idxs: dict[int, torch.Tensor] = field(default_factory=dict)
     candidate_blocks: torch.Tensor | None = None
     hidden_taps: dict[int, torch.Tensor | None] | None = None
+    aside: Callable = in_line
     _tables: dict = field(default_factory=dict, repr=False)
 
     def width(self, ratio: int) -> int:

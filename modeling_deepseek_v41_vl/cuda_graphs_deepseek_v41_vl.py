@@ -4,7 +4,8 @@
 into a graph and replays it: the arguments are copied into the graph's static inputs, the graph is
 replayed, and the outputs are returned, as fresh tensors (clones) when the caller may keep them
 past the segment's next replay. :func:`graph_pool` gives one memory pool per device, shared by
-graphs that replay one after another on one stream.
+graphs that replay one after another on one stream. :class:`SideStream` runs work beside the
+current stream (a branch of the graph when captured), :func:`in_line` the same call in line.
 
 This file knows tensors and callables only: what is captured, and when a capture is replayed,
 is the decode runner's (`decode_step_deepseek_v41_vl.py`).
@@ -124,6 +125,109 @@ class GraphedSegment:
             return tuple(None if o is None else o.clone() for o in outputs)
 
 
+class Joined:
+    """A value computed in line: :meth:`join` returns it (what :func:`in_line` gives)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def join(self):
+        return self.value
+
+
+class _Beside(Joined):
+    # the value of work enqueued on a side stream: join() makes the main stream wait for the event
+    # recorded after that work (not for later work on the same stream); until then it holds the
+    # work's arguments, so that no tensor the side stream still reads goes back to the main
+    # stream's allocator and is rewritten meanwhile
+    __slots__ = ("_main", "_done", "_args")
+
+    def __init__(self, value, main: torch.cuda.Stream, done: torch.cuda.Event, args: tuple):
+        super().__init__(value)
+        self._main, self._done, self._args = main, done, args
+
+    def join(self):
+        if self._done is not None:
+            self._main.wait_event(self._done)
+            self._done = self._args = None
+        return self.value
+
+
+def in_line(fn: Callable, *args) -> Joined:
+    """``fn(*args)`` now, as a :class:`Joined` (the CPU's and the eager layer path's `aside`)."""
+    return Joined(fn(*args))
+
+
+class SideStream:
+    """Work beside the current stream: ``side(fn, *args)`` enqueues ``fn(*args)`` on one of `lanes`
+    streams of the device (in turn) once the current stream's work so far is done, and returns a
+    handle whose ``join()`` makes the current stream wait for that work (an event recorded after
+    it) and gives ``fn``'s result. Two works handed over one after the other run at once, each
+    beside the current stream. Captured into a CUDA graph, each work is a parallel branch of it
+    (forked and joined by events).
+
+    Why no tensor is reused while another stream still reads it (eagerly and in a capture, whose
+    private pool keeps per-stream free lists too), given these rules:
+
+    - a lane's work is enqueued only here, right after the lane waits for the current stream: a
+      block freed to the lane's allocator before that (a result of earlier work, read by the
+      current stream) has every read of it enqueued before, so ordered before any reuse;
+    - `fn` reaches tensors of the current stream only through `args` (or through long-lived
+      tensors: weights, caches, a step's tables built before the fork), and the handle keeps
+      `args` alive until the join, after which the current stream is ordered after `fn`;
+    - the current stream neither writes what `fn` reads nor reads what `fn` writes before the
+      join.
+
+    Every handle must be joined before the current stream's capture ends, and a caller that may
+    raise between a fork and its join calls :meth:`join_all` on the way out (`fn` must not
+    synchronise with the host).
+    """
+
+    def __init__(self, device: torch.device, lanes: int = 2):
+        self._lanes = [torch.cuda.Stream(device=device) for _ in range(lanes)]
+        self._next = 0
+        self._pending: list[_Beside] = []
+
+    def __call__(self, fn: Callable, *args) -> Joined:
+        lane = self._lanes[self._next]
+        self._next = (self._next + 1) % len(self._lanes)
+        main = torch.cuda.current_stream(lane.device)
+        lane.wait_stream(main)
+        with torch.cuda.stream(lane):
+            value = fn(*args)
+            done = torch.cuda.Event()
+            done.record(lane)
+        handle = _Beside(value, main, done, args)
+        self._pending = [h for h in self._pending if h._done is not None] + [handle]
+        return handle
+
+    def join_all(self) -> None:
+        """Join every handle not joined yet (the current stream then waits for all the work)."""
+        pending, self._pending = self._pending, []
+        for handle in pending:
+            handle.join()
+
+
+_SIDE_STREAMS = threading.local()
+
+
+def side_stream(device: torch.device) -> SideStream:
+    """The calling thread's :class:`SideStream` of `device`, one for eager work and another for
+    work being captured into a CUDA graph: a stream a capture has joined must not take another
+    thread's or eager work meanwhile, and the streams a graph was captured on keep per-stream
+    state (the quantized linears' split-K counters) that only the graph's replays then use."""
+    index = torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    key = (index, torch.cuda.is_current_stream_capturing())
+    streams = _SIDE_STREAMS.__dict__.setdefault("streams", {})
+    if key not in streams:
+        streams[key] = SideStream(torch.device("cuda", index))
+    return streams[key]
+
+
 _GRAPH_POOLS: dict = {}
 _REPLAY_LOCKS: dict = {}
 _LOCKS_GUARD = threading.Lock()
@@ -157,4 +261,4 @@ def graph_pool(device: torch.device):
     return _GRAPH_POOLS[key][0]
 
 
-__all__ = ["GraphedSegment", "graph_pool"]
+__all__ = ["GraphedSegment", "Joined", "SideStream", "graph_pool", "in_line", "side_stream"]

@@ -7,6 +7,13 @@ A one-token step of every row after a prefill::
     column [1], pads [B] ─► positions [B] ─► RoPE, ring slot, compressor slot and row per row
     publisher [B] in ─► owners of index keys whose group ends update it ─► publisher out
 
+On CUDA each layer runs what its next sublayer does not read on side streams, as branches of the
+graph (`DeepseekV41DecodeStep.aside`): the mHC mixes of the block input and of the attention's
+output (projection and Sinkhorn, a latency chain of small launches) beside the attention and the
+FFN, which read the previous sublayer's mixes instead; the attention's keys (window ring row,
+compressed row, index key) beside its queries; the shared expert beside the router and the routed
+experts.
+
 :func:`decode_model_step` is that function. It reads no host value that changes between steps:
 the widths of the compressed rows it reads are fixed for the sequence (a static cache's capacity,
 or a power-of-two bucket of a growing one), each row's position arrives on the device, and the
@@ -40,7 +47,7 @@ from torch.nn.modules.module import (
 from .attention_deepseek_v41_vl import decode_rows
 from .attention_state_deepseek_v41_vl import DeepseekV41DecodeStep, check_mask_shape, check_same_padding, left_padding_offsets
 from .cache_deepseek_v41_vl import DeepseekV41Cache
-from .cuda_graphs_deepseek_v41_vl import GraphedSegment, graph_pool
+from .cuda_graphs_deepseek_v41_vl import GraphedSegment, SideStream, graph_pool, in_line, side_stream
 from .dspark_deepseek_v41_vl import (
     DeepseekV41DraftCache,
     draft_forward,
@@ -87,14 +94,19 @@ def decode_model_step(
     step = DeepseekV41DecodeStep(
         cache.attention, column, positions, publisher.clone(), widths, model.index_key_owners, pads,
         hidden_taps=main_hidden_taps(model.text_config) if main_hidden else None,
+        aside=side_stream(input_ids.device) if input_ids.is_cuda else in_line,
     )
     if model.engram_hash is not None:
         step.engram_hash_ids, history = model.engram_hash(input_ids, history=history)
     h = model.embed(input_ids)
     x = h.unsqueeze(2).repeat(1, 1, model.hc_mult, 1)
     pre_mix = identity_pre_mix(x, model.hc_mult)
-    for layer in model.layers:
-        x, pre_mix = layer.decode_step(x, pre_mix, step)
+    try:
+        for layer in model.layers:
+            x, pre_mix = layer.decode_step(x, pre_mix, step)
+    finally:  # a layer that raised between a fork and its join leaves no side work unjoined
+        if isinstance(step.aside, SideStream):
+            step.aside.join_all()
     hidden = model.norm(model.hc.pre(x, pre_mix))
     taps = None if step.hidden_taps is None else gather_main_hidden(step.hidden_taps)
     return model.head(hidden[:, -1]).unsqueeze(1), hidden, step.publisher, history, taps

@@ -19,6 +19,7 @@ from transformers.utils import logging
 
 from .attention_deepseek_v41_vl import DeepseekV41Attention
 from .attention_state_deepseek_v41_vl import DeepseekV41AttentionState, DeepseekV41DecodeStep
+from .cuda_graphs_deepseek_v41_vl import in_line
 from .configuration_deepseek_v41_vl import DeepseekV41TextConfig
 from .engram_deepseek_v41_vl import DeepseekV41Engram
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
@@ -211,12 +212,15 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         f = self.attn(hc.pre_norm(x, pre_mix_in, self.attn_norm), attention_state)
         return self._ffn_half(f, x, attn_pre, attn_post, attn_comb, image_mask)
 
-    def _ffn_half(self, f, x, attn_pre, attn_post, attn_comb, image_mask=None):
+    def _ffn_half(self, f, x, attn_pre, attn_post, attn_comb, image_mask=None, aside=None):
+        # the FFN reads the attention's mixes (the lag), not its own: with `aside` (a decode
+        # step's), those and the shared expert run beside the routed experts
         hc = self.hc
-        x1, (ffn_pre, ffn_post, ffn_comb) = hc.post_mixes(
-            f, x, attn_post, attn_comb, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base
-        )
-        f = self.ffn(hc.pre_norm(x1, attn_pre, self.ffn_norm), image_mask)
+        x1, ffn_mixes = hc.post_mixes(
+            f, x, attn_post, attn_comb, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, aside=aside or in_line
+        )  # the mixes as a handle, joined after the FFN
+        f = self.ffn(hc.pre_norm(x1, attn_pre, self.ffn_norm), image_mask, aside=aside)
+        ffn_pre, ffn_post, ffn_comb = ffn_mixes.join()
         return hc.post(f, x1, ffn_post, ffn_comb), ffn_pre
 
     def decode_step(self, x: torch.Tensor, pre_mix_in: torch.Tensor, step: DeepseekV41DecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,10 +239,13 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
             x = self.engram(x, step.engram_hash_ids[:, :, self.engram.hash_index])
         self._tap(step.hidden_taps, x)
         hc = self.hc
-        attn_pre, attn_post, attn_comb = hc.mixes(x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
+        # the attention reads the previous FFN's mixes (the lag), so this block's own mixes and
+        # their Sinkhorn run beside it (`step.aside`), as do the FFN's beside the FFN
+        attn_mixes = step.aside(hc.mixes, x, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base)
         o = self.attn.decode_step(hc.pre_norm(x, pre_mix_in, self.attn_norm), step)
         f = self.attn.output(o, step.freqs(self.attn.rotary))
-        return self._ffn_half(f, x, attn_pre, attn_post, attn_comb)
+        attn_pre, attn_post, attn_comb = attn_mixes.join()
+        return self._ffn_half(f, x, attn_pre, attn_post, attn_comb, aside=step.aside)
 
     @property
     def weight_device(self) -> torch.device:

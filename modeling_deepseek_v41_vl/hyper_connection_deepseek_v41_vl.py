@@ -23,6 +23,8 @@ instead of three (`triton_ops/hc_fused.py`): bit for bit the separate kernels.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,6 +35,7 @@ from ..triton_ops.hc_mix import MAX_HC_MULT as HC_MIX_MAX_HC_MULT
 from ..triton_ops.hc_mix import MIXES_MAX_ROWS as HC_MIXES_MAX_ROWS
 from ..triton_ops.hc_mix import hc_mixes_sinkhorn_triton, hc_mixes_triton, hc_post_triton, hc_pre_triton
 from ..triton_ops.hc_sinkhorn import hc_split_sinkhorn_triton
+from .cuda_graphs_deepseek_v41_vl import in_line
 from .layers_deepseek_v41_vl import DeepseekV41RMSNorm, needs_grad
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
 
@@ -242,7 +245,8 @@ class DeepseekV41HyperConnection(nn.Module):
         fn: torch.Tensor,
         scale: torch.Tensor,
         base: torch.Tensor,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        aside: Callable = in_line,
+    ) -> tuple[torch.Tensor, object]:
         """``x1 = self.post(f, residual, post, comb)`` and ``self.mixes(x1, fn, scale, base)``:
         the expand and the projection of the next sublayer's mixes from its output.
 
@@ -252,9 +256,13 @@ class DeepseekV41HyperConnection(nn.Module):
 
         Args:
             f, residual, post, comb: as :meth:`post`. fn, scale, base: as :meth:`mixes`.
+            aside: ``aside(fn, *args) -> handle``, how the mixes after ``x1`` are run: by default
+                in line; the decode step's `DeepseekV41DecodeStep.aside` runs them beside the
+                FFN, which does not read them.
 
         Returns:
-            ``(x1, (pre, post, comb))``: :meth:`post`'s output and :meth:`mixes`' of it.
+            ``(x1, handle)``: :meth:`post`'s output, and a handle whose ``join()`` gives
+            :meth:`mixes`' of it, ``(pre, post, comb)``.
 
         Raises:
             DeepseekV41HyperConnectionError: `residual` is not `[B, S, N, D]`, or `fn` does not
@@ -267,11 +275,11 @@ class DeepseekV41HyperConnection(nn.Module):
         if self._fused((residual, f), (post, comb)) and self._mixes_kernel_applies(residual, fn):
             if self.numerics.backend("hc_sinkhorn", residual.device) == "triton":
                 sinkhorn = (scale, base, self.sinkhorn_iters, self.hc_eps)
-                return hc_post_mixes_triton(f, residual, post, comb, fn, self.norm_eps, sinkhorn)
+                return hc_post_mixes_triton(f, residual, post, comb, fn, self.norm_eps, sinkhorn, aside=aside)
             x1, m = hc_post_mixes_triton(f, residual, post, comb, fn, self.norm_eps)
-            return x1, hc_split_sinkhorn(m, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps)
+            return x1, aside(hc_split_sinkhorn, m, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps)
         x1 = self.post(f, residual, post, comb)
-        return x1, self.mixes(x1, fn, scale, base)
+        return x1, aside(self.mixes, x1, fn, scale, base)
 
     def _check_fn(self, fn: torch.Tensor, x: torch.Tensor, name: str) -> None:
         if fn.shape != ((2 + self.hc_mult) * self.hc_mult, self.hc_mult * x.size(-1)):

@@ -353,13 +353,16 @@ class DeepseekV41MoE(nn.Module):
         mma = self.numerics.option("moe_experts_mma")
         return moe_experts_triton(x, weights, indices, self.expert_tables.get(self.experts), mma=mma, shared=shared)
 
-    def forward(self, hidden_states: torch.Tensor, image_rows: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, image_rows: torch.Tensor | None = None, aside=None) -> torch.Tensor:
         """Apply the MoE FFN.
 
         Args:
             hidden_states: ``[B, S, D]`` (bf16), the ``ffn_norm`` output.
             image_rows: bool ``[B, S]``, True on every image-span position (START, NEWLINE and END
                 included: ``token_types >= 0``); None for text-only input and decode.
+            aside: ``aside(fn, *args) -> handle`` (the decode step's `DeepseekV41DecodeStep.aside`):
+                where the expert kernels run, the shared expert is handed to it, to run beside
+                the routed experts until their combine launch reads it.
 
         Returns:
             ``[B, S, D]`` in ``hidden_states.dtype``.
@@ -377,6 +380,9 @@ class DeepseekV41MoE(nn.Module):
             )
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
+        shared = None  # with `aside` on the kernels' path: the shared expert beside the router and the routed experts
+        if aside is not None and self.shard is None and x.dtype == torch.bfloat16 and self.runs_without_host_sync(x.size(0), x.device):
+            shared = aside(self.shared_experts, x)
         weights, indices = self.gate(x, None if image_rows is None else image_rows.reshape(-1))
         if self.shard is not None:
             return self._sharded(x, weights, indices).to(hidden_states.dtype).view(shape)
@@ -384,10 +390,10 @@ class DeepseekV41MoE(nn.Module):
             out = self._routed_exact(x, weights, indices)
         elif use_moe_experts_kernel(x, indices, self.routed_weight_dtype, self.numerics.backend("moe_experts", x.device)):
             # (bf16 x) the routed sum + the shared output and the cast, in the kernels' last launch
-            return self._routed_kernels(x, weights, indices, self.shared_experts(x)).view(shape)
+            return self._routed_kernels(x, weights, indices, self.shared_experts(x) if shared is None else shared).view(shape)
         else:
             out = self._routed_grouped(x, weights, indices)
-        out += self.shared_experts(x)
+        out += self.shared_experts(x) if shared is None else shared.join()
         return out.to(hidden_states.dtype).view(shape)
 
     def _sharded(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

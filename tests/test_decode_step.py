@@ -367,3 +367,30 @@ def test_a_step_ranks_ties_by_position_whatever_the_width(fast):
         idxs, _ = indexer.decode_select(q, weights, keys, torch.tensor([visible]).view(1, 1, 1), 0)
         picks.append(sorted(idxs.flatten().tolist()))
     assert all(p == list(range(k)) for p in picks), picks
+
+
+def test_the_work_a_step_runs_aside_is_read_only_after_its_join(fast, monkeypatch):
+    # the step hands each layer's two mixes (with their Sinkhorn) and the attention's keys to
+    # `aside`, which on CUDA runs them on a second stream beside the attention's queries, the
+    # attention and the FFN. Run here only at their join, they give the same bits: nothing
+    # between the fork and the join reads their results or changes what they read.
+    import types
+
+    from deepseek_v41_vl.modeling import decode_step_deepseek_v41_vl as engine
+
+    model, ids = fast
+    prompt = ids[:1, :21]
+    tokens = _greedy(model, prompt, 4)
+    in_line, _ = _decode(model, prompt, tokens, engine=True)
+    names = []
+
+    def later(fn, *args):
+        names.append(fn.__name__)
+        return types.SimpleNamespace(join=lambda: fn(*args))
+
+    monkeypatch.setattr(engine, "in_line", later)
+    deferred, _ = _decode(model, prompt, tokens, engine=True)
+    # per layer and step: the block input's mixes, the attention's keys, then the attention
+    # output's mixes (the fused kernels' second launch where they run, the mixes themselves here)
+    assert names == ["mixes", "_decode_keys", "mixes"] * (len(model.layers) * tokens.size(1))
+    assert torch.equal(deferred, in_line)

@@ -333,15 +333,85 @@ def test_dspark_generation_on_gpu_gives_plain_greedy_tokens(golden, converted_ti
         assert not differ, (name, differ[0], margin)
 
 
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "graph"])
+def test_side_stream_work_reads_its_arguments_as_they_were_at_the_fork(captured):
+    """Work handed to a `SideStream` runs beside the current stream and still reads its
+    arguments as they were when it was handed over: the main stream drops its reference and
+    reuses the memory at once (eagerly: while the side stream is still asleep), and the join
+    orders the main stream after the work."""
+    from deepseek_v41_vl.modeling.cuda_graphs_deepseek_v41_vl import SideStream
+
+    side = SideStream(CUDA)
+
+    def slow_copy(t):
+        torch.cuda._sleep(50_000_000)  # tens of ms: the main stream's work below is enqueued first
+        return t * 2
+
+    def step(src):
+        a = src + 1  # made on the main stream, read only on the side stream
+        handle = side(slow_copy, a)
+        del a
+        b = torch.full_like(src, -7.0)  # the main stream's next tensor of that size
+        return handle.join() + 0 * b, b
+
+    src = torch.arange(1 << 20, device=CUDA, dtype=torch.float32)
+    if captured:
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step(src)  # warm-up
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            out, b = step(src)
+        graph.replay()
+    else:
+        out, b = step(src)
+    torch.cuda.synchronize()
+    assert torch.equal(out, (src + 1) * 2) and bool((b == -7.0).all())
+
+
+def test_side_stream_join_waits_for_its_own_work_only():
+    """Two works handed over one after the other run on two lanes: joining the second does not
+    wait for the first (still asleep), and `join_all` then waits for both."""
+    from deepseek_v41_vl.modeling.cuda_graphs_deepseek_v41_vl import SideStream
+
+    side = SideStream(torch.device(CUDA))
+    src = torch.ones(4, device=CUDA)
+
+    def slow(t):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s
+        return t + 1
+
+    first, second = side(slow, src), side(lambda t: t + 2, src)
+    assert torch.equal(second.join(), torch.full_like(src, 3.0))  # a read on the current stream, after its join
+    torch.cuda.current_stream().synchronize()
+    assert not first._done.query()  # the first work is still running
+    side.join_all()
+    torch.cuda.current_stream().synchronize()
+    assert torch.equal(first.value, torch.full_like(src, 2.0))
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["one-row", "left-padded"])
 @pytest.mark.parametrize("static", [True, False], ids=["static-cache", "growing-cache"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_decode_cuda_graphs_equal_eager_steps(golden, variant, static, padded):
+def test_decode_cuda_graphs_equal_eager_steps(golden, variant, static, padded, monkeypatch):
     """The whole model's decode step replayed from one CUDA graph gives, bit for bit, the logits
     and the cache of the same step run eagerly (16 greedy steps after the VL prompt, or a
     left-padded two-row batch of it); the graph is captured once per cache storage and width
-    (a growing cache: again when its buffers cross a bucket)."""
+    (a growing cache: again when its buffers cross a bucket). Both run work beside the step on
+    side streams; replayed with that work in line, or with every side work made to start late
+    (a sleep first: a read before its join would see stale values), the step gives the same bits."""
+    from deepseek_v41_vl.modeling import decode_step_deepseek_v41_vl as engine
     from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
+    from deepseek_v41_vl.modeling.cuda_graphs_deepseek_v41_vl import SideStream, in_line
+
+    class LateSide(SideStream):
+        def __call__(self, fn, *args):
+            def late(*a):
+                torch.cuda._sleep(1_000_000)  # ~0.5 ms: the main stream runs well ahead meanwhile
+                return fn(*a)
+
+            return super().__call__(late, *args)
 
     model = golden_model(golden, variant, "fast", CUDA)
     tensors = golden_run(golden, variant, "vl", CUDA)
@@ -355,8 +425,12 @@ def test_decode_cuda_graphs_equal_eager_steps(golden, variant, static, padded):
         mask[1, :5] = 0
     runner = model.decode_runner
     results = {}
-    for graphs in (False, True):
+    late = LateSide(torch.device(CUDA))
+    for name, graphs, aside in (("eager", False, None), ("graph", True, None),
+                                ("graph, in line", True, lambda device: in_line), ("graph, late side", True, lambda device: late)):
         runner.graphs = graphs
+        if aside is not None:
+            monkeypatch.setattr(engine, "side_stream", aside)
         before = runner.captures
         cache = DeepseekV41Cache(model.config, max_cache_len=(inputs["input_ids"].size(1) + 16) if static else None)
         logits = []
@@ -369,20 +443,21 @@ def test_decode_cuda_graphs_equal_eager_steps(golden, variant, static, padded):
                 step = model(token, cache=cache, attention_mask=step_mask).logits[:, -1]
                 logits.append(step)
                 token = step.argmax(-1, keepdim=True)
-        results[graphs] = (torch.stack(logits), cache, runner.captures - before)
+        results[name] = (torch.stack(logits), cache, runner.captures - before)
     runner.graphs = True
-    eager, graphed = results[False][0], results[True][0]
+    eager, graphed = results["eager"][0], results["graph"][0]
     _METRICS[f"decode_graphs/{variant}/{'static' if static else 'growing'}/{'padded' if padded else 'one-row'}"] = {
-        "bitwise": torch.equal(eager, graphed), "rel_l2": rel_l2(graphed, eager), "captures": results[True][2],
+        "bitwise": torch.equal(eager, graphed), "rel_l2": rel_l2(graphed, eager), "captures": results["graph"][2],
     }
-    assert results[False][2] == 0 and 1 <= results[True][2] <= (1 if static else 2)
-    assert torch.equal(eager, graphed)
-    for i, state in results[False][1].attention.layers.items():
-        other = results[True][1].attention.layer(i)
-        assert torch.equal(other.window_kv, state.window_kv), i
-        if state.compressed_kv is not None:
-            n = state.compressed_kv.length
-            assert other.compressed_kv.length == n and torch.equal(other.compressed_kv.rows(n), state.compressed_kv.rows(n)), i
+    assert results["eager"][2] == 0 and 1 <= results["graph"][2] <= (1 if static else 2)
+    for name, (got, cache, _) in results.items():
+        assert torch.equal(got, eager), name
+        for i, state in results["eager"][1].attention.layers.items():
+            other = cache.attention.layer(i)
+            assert torch.equal(other.window_kv, state.window_kv), (name, i)
+            if state.compressed_kv is not None:
+                n = state.compressed_kv.length
+                assert other.compressed_kv.length == n and torch.equal(other.compressed_kv.rows(n), state.compressed_kv.rows(n)), (name, i)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -15,6 +15,7 @@ launches it replaces, bit for bit:
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ import torch
 import deepseek_v41_vl.modeling.hyper_connection_deepseek_v41_vl as hyper
 from deepseek_v41_vl.modeling.attention_state_deepseek_v41_vl import DeepseekV41AttentionState
 from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41TextConfig
+from deepseek_v41_vl.modeling.cuda_graphs_deepseek_v41_vl import in_line
 from deepseek_v41_vl.modeling.decoder_layer_deepseek_v41_vl import DeepseekV41DecoderLayer
 from deepseek_v41_vl.modeling.hyper_connection_deepseek_v41_vl import DeepseekV41HyperConnection
 from deepseek_v41_vl.modeling.layers_deepseek_v41_vl import DeepseekV41RMSNorm
@@ -246,6 +248,32 @@ def test_post_mixes_is_bit_identical_to_the_separate_kernels(batch, seq, hc, dim
     _same_bits(m, hc_mixes_triton(want_x1, fn, NORM_EPS))
 
 
+class _Later:
+    """An `aside` that runs nothing until join(): what a side stream may do at worst."""
+
+    def __init__(self):
+        self.names = []
+
+    def __call__(self, fn, *args):
+        self.names.append(fn.__name__)
+        return types.SimpleNamespace(join=lambda: fn(*args))
+
+
+def test_post_mixes_runs_only_its_second_launch_aside():
+    x, f, _, post, comb = _stream_inputs(1, 1, 4, 256, seed=5)
+    _, fn, scale, base = _inputs(1, 1, 4, 256, seed=6)
+    sinkhorn = (scale, base, 20, HC_EPS)
+    want_x1, want = hc_post_mixes_triton(f, x, post, comb, fn, NORM_EPS, sinkhorn)
+    later = _Later()
+    x1, handle = hc_post_mixes_triton(f, x, post, comb, fn, NORM_EPS, sinkhorn, aside=later)
+    assert later.names == ["_finish"]  # the expand (x1) ran in line, the finish + Sinkhorn did not
+    _same_bits(x1, want_x1)
+    for got, ref in zip(handle.join(), want, strict=True):
+        _same_bits(got, ref)
+    _, handle = hc_post_mixes_triton(f[:, :0], x[:, :0], post[:, :0], comb[:, :0], fn, NORM_EPS, sinkhorn, aside=later)
+    assert later.names[-1] == "_empty_mixes" and handle.join()[2].shape == (1, 0, 4, 4)
+
+
 def test_post_mixes_takes_strided_inputs_and_no_rows():
     x, f, _, post, comb = _stream_inputs(1, 2, 4, 64, seed=11)
     _, fn, scale, base = _inputs(1, 1, 4, 64, seed=12)
@@ -288,7 +316,7 @@ def _spy_fused(monkeypatch):
     calls = []
     for name in ("hc_pre_rms_norm_triton", "hc_post_mixes_triton", "hc_pre_triton", "hc_post_triton"):
         real = getattr(hyper, name)
-        monkeypatch.setattr(hyper, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+        monkeypatch.setattr(hyper, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     return calls
 
 
@@ -340,7 +368,7 @@ def test_post_mixes_takes_the_fused_launch_where_both_kernels_would_run(monkeypa
     x1, mixes = hc.post_mixes(f, x, post, comb, fn, scale, base)
     assert calls == ["hc_post_mixes_triton"]
     _same_bits(x1, want_x1)
-    for got, ref in zip(mixes, want, strict=True):
+    for got, ref in zip(mixes.join(), want, strict=True):
         _same_bits(got, ref)
     calls.clear()
     rows = hc_mix.MIXES_MAX_ROWS + 1  # past the projection kernels: the two calls
@@ -383,7 +411,7 @@ def test_decoder_layer_makes_the_fused_calls_with_the_same_outputs(monkeypatch, 
     monkeypatch.setattr(DeepseekV41HyperConnection, "pre_norm", lambda self, x, mix, norm: norm(self.pre(x, mix)))
     monkeypatch.setattr(
         DeepseekV41HyperConnection, "post_mixes",
-        lambda self, f, r, p, c, fn, s, b: (lambda x1: (x1, self.mixes(x1, fn, s, b)))(self.post(f, r, p, c)),
+        lambda self, f, r, p, c, fn, s, b, aside=in_line: (lambda x1: (x1, aside(self.mixes, x1, fn, s, b)))(self.post(f, r, p, c)),
     )
     calls.clear()
     unfused = run()

@@ -393,6 +393,26 @@ def test_shared_output_added_by_the_combine_launch():
         assert torch.equal(moe(x.view(1, 3, HIDDEN)).view(3, HIDDEN), both)  # the module's decode path
         with pytest.raises(MoEExpertsError, match="shared"):
             moe_experts.moe_experts_triton(x, weights, indices, table, shared=shared.float())
+        # a handle (the decode step's shared expert on a side stream), joined right before the
+        # combine launch: the same bits
+        launches = []
+        real = moe_experts._combine
+
+        class Handle:
+            def join(self):
+                launches.append("join")
+                return shared
+
+        def combine(*args, **kwargs):
+            launches.append("combine")
+            return real(*args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(moe_experts, "_combine", combine)
+            assert torch.equal(moe_experts.moe_experts_triton(x, weights, indices, table, shared=Handle()), both)
+            assert launches == ["join", "combine"]
+            from deepseek_v41_vl.modeling.cuda_graphs_deepseek_v41_vl import in_line
+            assert torch.equal(moe(x.view(1, 3, HIDDEN), aside=in_line).view(3, HIDDEN), both)
 
 
 @pytest.mark.parametrize("ranks, top_k", [(2, 2), (4, 4)])

@@ -34,6 +34,8 @@ compiled.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 try:  # Triton is optional: CPU-only installs use the torch ops
@@ -149,7 +151,8 @@ def hc_post_mixes_triton(
     fn: torch.Tensor,
     norm_eps: float,
     sinkhorn: tuple[torch.Tensor, torch.Tensor, int, float] | None = None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | torch.Tensor]:
+    aside: Callable | None = None,
+) -> tuple[torch.Tensor, object]:
     """Expand, then the projection of the next mixes from its output, in two launches instead of
     three (`Block.hc_post`, then `Block.hc_mixes`).
 
@@ -167,11 +170,15 @@ def hc_post_mixes_triton(
         fn: fp32 ``[(2 + hc) * hc, hc * D]``. norm_eps: the eps inside the projection's rsqrt.
         sinkhorn: ``(scale, base, iters, hc_eps)`` as :func:`hc_mix.hc_mixes_sinkhorn_triton`
             takes them, or None for the projection alone.
+        aside: ``aside(fn, *args)``, how the second launch is run (by default called in line):
+            the decode step passes one that runs it on a second stream and returns a handle
+            (`modeling/cuda_graphs_deepseek_v41_vl.py: SideStream`), so that it overlaps the
+            sublayer the caller runs next.
 
     Returns:
         ``(x1, mixes)``: x1 bf16 ``[B, S, hc, D]``; mixes the fp32 tuple (pre ``[B, S, hc]``,
         post ``[B, S, hc]``, comb ``[B, S, hc, hc]``) with `sinkhorn`, else the fp32 projection
-        ``[B, S, (2 + hc) * hc]``.
+        ``[B, S, (2 + hc) * hc]``; with `aside`, what it returned for that launch.
 
     Raises:
         HcMixError: other shapes or dtypes, no columns (D = 0), more than
@@ -190,8 +197,9 @@ def hc_post_mixes_triton(
     residual, f = residual.contiguous(), f.contiguous()
     x1 = torch.empty(residual.shape, dtype=torch.bfloat16, device=residual.device)
     lead = tuple(residual.shape[:2])
+    run = _call if aside is None else aside
     if tokens == 0:
-        return x1, _empty_mixes(lead, hc, x1.device, sinkhorn)
+        return x1, run(_empty_mixes, lead, hc, x1.device, sinkhorn)
     row_blocks, split, cols_per_split = _mixes_grid(tokens, width)
     dots = torch.empty(split, tokens, n_mix, dtype=torch.float32, device=x1.device)
     sq = torch.empty(split, tokens, dtype=torch.float32, device=x1.device)
@@ -201,7 +209,11 @@ def hc_post_mixes_triton(
         BLOCK_T=_MIXES_BLOCK_T, BLOCK_M=_mixes_block_m(n_mix), BLOCK_K=_MIXES_BLOCK_K, num_warps=_MIXES_NUM_WARPS,
         num_stages=1,  # no load of a later K step issued before that step's x1 tile is stored
     )
-    return x1, _finish(dots, sq, width, norm_eps, lead, hc, sinkhorn)
+    return x1, run(_finish, dots, sq, width, norm_eps, lead, hc, sinkhorn)
+
+
+def _call(fn: Callable, *args):
+    return fn(*args)
 
 
 __all__ = ["hc_post_mixes_triton", "hc_pre_rms_norm_triton"]

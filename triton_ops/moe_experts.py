@@ -609,6 +609,8 @@ def moe_experts_triton(
             launch's K blocks; default `_default_splits`) splits each launch along K.
         shared: bf16 ``[T, D]`` or None: the shared expert's output, added by the combine launch
             (`MoE.forward`'s ``y += shared; y.to(bf16)`` in the same fp32 add and one rounding).
+            Or a handle whose ``join()`` gives it, joined right before the combine launch (the
+            decode step computes the shared expert on a second stream, beside these launches).
 
     Returns:
         fp32 ``[T, D]``: the sum over each row's k experts, in ascending expert id; with `shared`,
@@ -639,15 +641,12 @@ def moe_experts_triton(
             f"{n_pairs} (token, slot) pairs: the kernels are for decode-sized calls (<= {KERNEL_MAX_PAIRS})"
         )
     d, inter = table.hidden_size, table.intermediate_size
-    if shared is not None:
-        if shared.dtype != torch.bfloat16 or shared.shape != (n_tokens, d) or shared.device != x.device:
-            raise MoEExpertsError(
-                f"shared must be bf16 [{n_tokens}, {d}] on {x.device}, got {shared.dtype} {tuple(shared.shape)} on {shared.device}"
-            )
-        shared = shared.contiguous()
+    pending = shared if hasattr(shared, "join") else None  # joined right before the combine launch
+    if shared is not None and pending is None:
+        shared = _checked_shared(shared, n_tokens, d, x.device)
     out = torch.empty(n_tokens, d, dtype=torch.float32 if shared is None else torch.bfloat16, device=x.device)
     if n_pairs == 0:
-        return out if shared is None else out.copy_(shared)
+        return out if shared is None else out.copy_(_checked_shared(pending.join(), n_tokens, d, x.device) if pending else shared)
     if x.stride(1) != 1:
         x = x.contiguous()
     ids = indices.reshape(-1)
@@ -731,7 +730,17 @@ def moe_experts_triton(
         x = xq
     h, _ = launch(True, x, inter, d)
     y, y_splits = launch(False, h, d, inter)
+    if pending is not None:
+        shared = _checked_shared(pending.join(), n_tokens, d, x.device)
     return _combine(y, ids, n_tokens, top_k, out, y_splits, shared)
+
+
+def _checked_shared(shared: torch.Tensor, n_tokens: int, d: int, device: torch.device) -> torch.Tensor:
+    if shared.dtype != torch.bfloat16 or shared.shape != (n_tokens, d) or shared.device != device:
+        raise MoEExpertsError(
+            f"shared must be bf16 [{n_tokens}, {d}] on {device}, got {shared.dtype} {tuple(shared.shape)} on {shared.device}"
+        )
+    return shared.contiguous()
 
 
 def _default_splits(n_pairs: int, interpret: bool) -> dict:
