@@ -195,12 +195,14 @@ class SideStream:
         self._next = (self._next + 1) % len(self._lanes)
         main = torch.cuda.current_stream(lane.device)
         lane.wait_stream(main)
-        with torch.cuda.stream(lane):
-            value = fn(*args)
-            done = torch.cuda.Event()
-            done.record(lane)
-        handle = _Beside(value, main, done, args)
-        self._pending = [h for h in self._pending if h._done is not None] + [handle]
+        handle = _Beside(None, main, None, args)
+        try:
+            with torch.cuda.stream(lane):
+                handle.value = fn(*args)
+        finally:  # what `fn` enqueued before raising is joined by join_all too
+            handle._done = torch.cuda.Event()
+            handle._done.record(lane)
+            self._pending = [h for h in self._pending if h._done is not None] + [handle]
         return handle
 
     def join_all(self) -> None:
@@ -210,22 +212,24 @@ class SideStream:
             handle.join()
 
 
-_SIDE_STREAMS = threading.local()
+_SIDE_STREAMS: dict[int, SideStream] = {}
 
 
 def side_stream(device: torch.device) -> SideStream:
-    """The calling thread's :class:`SideStream` of `device`, one for eager work and another for
-    work being captured into a CUDA graph: a stream a capture has joined must not take another
-    thread's or eager work meanwhile, and the streams a graph was captured on keep per-stream
-    state (the quantized linears' split-K counters) that only the graph's replays then use."""
+    """The :class:`SideStream` of `device` for the functions `GraphedSegment` captures (their
+    warm-up and their capture). One per device: those run one at a time per device (under the
+    replay lock), and nothing else enqueues on its lanes, so a capture never takes other work,
+    and the per-stream state of its lanes (the quantized linears' split-K counters) is used by
+    those warm-ups and the graphs' replays alone, one after another. Made beside the capture
+    stream, so that its lanes are other streams of torch's pool than that one."""
     index = torch.device(device).index
     if index is None:
         index = torch.cuda.current_device()
-    key = (index, torch.cuda.is_current_stream_capturing())
-    streams = _SIDE_STREAMS.__dict__.setdefault("streams", {})
-    if key not in streams:
-        streams[key] = SideStream(torch.device("cuda", index))
-    return streams[key]
+    with _LOCKS_GUARD:
+        if index not in _SIDE_STREAMS:
+            _capture_stream(torch.device("cuda", index))
+            _SIDE_STREAMS[index] = SideStream(torch.device("cuda", index))
+        return _SIDE_STREAMS[index]
 
 
 _GRAPH_POOLS: dict = {}

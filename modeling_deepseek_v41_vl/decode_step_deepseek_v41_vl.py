@@ -7,13 +7,6 @@ A one-token step of every row after a prefill::
     column [1], pads [B] ─► positions [B] ─► RoPE, ring slot, compressor slot and row per row
     publisher [B] in ─► owners of index keys whose group ends update it ─► publisher out
 
-On CUDA each layer runs what its next sublayer does not read on side streams, as branches of the
-graph (`DeepseekV41DecodeStep.aside`): the mHC mixes of the block input and of the attention's
-output (projection and Sinkhorn, a latency chain of small launches) beside the attention and the
-FFN, which read the previous sublayer's mixes instead; the attention's keys (window ring row,
-compressed row, index key) beside its queries; the shared expert beside the router and the routed
-experts.
-
 :func:`decode_model_step` is that function. It reads no host value that changes between steps:
 the widths of the compressed rows it reads are fixed for the sequence (a static cache's capacity,
 or a power-of-two bucket of a growing one), each row's position arrives on the device, and the
@@ -27,6 +20,14 @@ size, widths, numerics plan and cache storage, kept on the cache it addresses), 
 host bookkeeping the step leaves (row counts, the publisher, the position). The forward hands it
 one-token steps on a cache in fast numerics (`DeepseekV41Transformer.forward`); exact numerics,
 forward hooks, autograd and models spread over several devices keep the layer-by-layer forward.
+
+In a CUDA graph each layer runs what its next part does not read on side streams, as branches of
+the graph (`DeepseekV41DecodeStep.aside`): the mHC mixes of the block input (projection and
+Sinkhorn, a latency chain of small launches) beside the attention, and the FFN's (the launch that
+finishes them and runs the Sinkhorn) beside the FFN, which read the previous sublayer's mixes
+instead; the attention's keys (window ring row, compressed row, index key) beside its queries;
+the shared expert beside the router and the routed experts. Run eagerly, the step does that work
+in line: the same values, bit for bit.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from typing import Callable
 
 import torch
 from torch.nn.modules.module import (
@@ -69,6 +71,7 @@ def decode_model_step(
     publisher: torch.Tensor,
     history: torch.Tensor | None,
     main_hidden: bool = False,
+    aside: Callable = in_line,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One decode step of the whole model (`DeepseekV41Transformer`), from device tensors only.
 
@@ -83,6 +86,8 @@ def decode_model_step(
         publisher: int64 ``[B]``, each row's index-key publisher before the step (-1: none).
         history: int64 ``[B, max_ngram_size - 1]`` Engram history, or None without Engram layers.
         main_hidden: also return the draft head's `main_hidden` (`DeepseekV41Transformer.draft`).
+        aside: how each layer runs what its next part does not read (`DeepseekV41DecodeStep.aside`):
+            in line, or, for a CUDA graph (its warm-up and capture), the device's `SideStream`.
 
     Returns:
         ``(logits fp32 [B, 1, V], hidden bf16 [B, 1, D], publisher [B], history, main_hidden)`` after
@@ -94,7 +99,7 @@ def decode_model_step(
     step = DeepseekV41DecodeStep(
         cache.attention, column, positions, publisher.clone(), widths, model.index_key_owners, pads,
         hidden_taps=main_hidden_taps(model.text_config) if main_hidden else None,
-        aside=side_stream(input_ids.device) if input_ids.is_cuda else in_line,
+        aside=aside,
     )
     if model.engram_hash is not None:
         step.engram_hash_ids, history = model.engram_hash(input_ids, history=history)
@@ -143,9 +148,12 @@ def check_step_inputs(model, input_ids, mm_token_type_ids, attention_mask, cache
 
 
 def _captured_step(context: tuple, *args):
-    # the function a graph captures: `context` = (model, cache, widths, main_hidden), fixed for the graph
+    # the function a graph captures: `context` = (model, cache, widths, main_hidden), fixed for the
+    # graph; run by `GraphedSegment` only (its warm-up, then the capture), under its replay lock,
+    # with the side work on the device's side streams
     *fixed, main_hidden = context
-    return decode_model_step(*fixed, *args, main_hidden=main_hidden)
+    aside = side_stream(args[0].device) if args[0].is_cuda else in_line
+    return decode_model_step(*fixed, *args, main_hidden=main_hidden, aside=aside)
 
 
 def _captured_draft(context: tuple, *args):
@@ -379,7 +387,9 @@ class DeepseekV41DecodeRunner:
             logits, hidden, publisher, history, taps = segment(*args, key=key, context=(model, cache, widths, main_hidden))
             self.captures += segment.captures - before
         else:
-            logits, hidden, publisher, history, taps = decode_model_step(model, cache, widths, *args, main_hidden=main_hidden)
+            logits, hidden, publisher, history, taps = decode_model_step(
+                model, cache, widths, *args, main_hidden=main_hidden, aside=in_line
+            )
         self._commit(model, cache, start, publisher)
         if history is not None:
             cache.engram_history = history

@@ -6,8 +6,8 @@ model adds to `from_pretrained`, `save_pretrained` and the dispatch of a `device
   flags kept, disk-offloaded fp4 re-saved, missing weights checked by `load_checks_deepseek_v41_vl.py`,
   `save_pretrained` in the converted-folder layout).
 - Engram tables resident in host memory while the layers run on GPUs: the map rules and the
-  dispatch hooks are `engram_placement_deepseek_v41_vl.py`'s (its `engram_offload_device_map`
-  is importable from here too).
+  dispatch hooks are `engram_placement_deepseek_v41_vl.py`'s (its public names are importable
+  from here too).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .engram_placement_deepseek_v41_vl import (
-    check_engram_placement, device_map_with_engram_tables, engram_offload_device_map, keep_engram_tables_resident,
-    wrapped_dispatch_model,
+    DeepseekV41EngramPlacementError, check_engram_placement, device_map_with_engram_tables, engram_offload_device_map,
+    engram_table_names, keep_engram_tables_resident, resident_engram_tables, wrapped_dispatch_model,
 )
 from .exceptions_deepseek_v41_vl import DeepseekV41ModelError
 from .load_checks_deepseek_v41_vl import (
@@ -382,9 +382,16 @@ class DeepseekV41LoadingMixin:
         return result
 
 
-__all__ = [
+__all__ = [  # the Engram placement names are importable from here too, as before they moved
+    "DeepseekV41EngramPlacementError",
     "DeepseekV41LoadingMixin",
+    "check_engram_placement",
+    "device_map_with_engram_tables",
     "empty_model",
     "engram_offload_device_map",
+    "engram_table_names",
+    "keep_engram_tables_resident",
     "model_class_for",
+    "resident_engram_tables",
+    "wrapped_dispatch_model",
 ]

@@ -385,7 +385,7 @@ def test_the_work_a_step_runs_aside_is_read_only_after_its_join(fast, monkeypatc
     names = []
 
     def later(fn, *args):
-        names.append(fn.__name__)
+        names.append(getattr(fn, "__name__", type(fn).__name__))
         return types.SimpleNamespace(join=lambda: fn(*args))
 
     monkeypatch.setattr(engine, "in_line", later)

@@ -398,9 +398,10 @@ def test_decode_cuda_graphs_equal_eager_steps(golden, variant, static, padded, m
     """The whole model's decode step replayed from one CUDA graph gives, bit for bit, the logits
     and the cache of the same step run eagerly (16 greedy steps after the VL prompt, or a
     left-padded two-row batch of it); the graph is captured once per cache storage and width
-    (a growing cache: again when its buffers cross a bucket). Both run work beside the step on
-    side streams; replayed with that work in line, or with every side work made to start late
-    (a sleep first: a read before its join would see stale values), the step gives the same bits."""
+    (a growing cache: again when its buffers cross a bucket). The graph runs work beside the step
+    on side streams, the eager step in line; replayed with that work in line too, or with every
+    side work made to start late (a sleep first: a read before its join would see stale values),
+    the step gives the same bits."""
     from deepseek_v41_vl.modeling import decode_step_deepseek_v41_vl as engine
     from deepseek_v41_vl.modeling.cache_deepseek_v41_vl import DeepseekV41Cache
     from deepseek_v41_vl.modeling.cuda_graphs_deepseek_v41_vl import SideStream, in_line
@@ -450,6 +451,7 @@ def test_decode_cuda_graphs_equal_eager_steps(golden, variant, static, padded, m
         "bitwise": torch.equal(eager, graphed), "rel_l2": rel_l2(graphed, eager), "captures": results["graph"][2],
     }
     assert results["eager"][2] == 0 and 1 <= results["graph"][2] <= (1 if static else 2)
+    assert all(results[name][2] >= 1 for name in ("graph, in line", "graph, late side"))  # captured anew
     for name, (got, cache, _) in results.items():
         assert torch.equal(got, eager), name
         for i, state in results["eager"][1].attention.layers.items():
