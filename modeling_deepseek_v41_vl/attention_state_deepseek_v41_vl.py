@@ -169,8 +169,9 @@ class DeepseekV41DecodeStep:
         hidden_taps: as `DeepseekV41AttentionState.hidden_taps` (the draft head's `main_hidden`).
         aside: ``aside(fn, *args) -> handle`` (``handle.join()`` gives ``fn(*args)``), how a layer
             runs work that what comes next does not read (the mHC mixes and their Sinkhorn, the
-            attention's keys, the shared expert): on CUDA a
-            `cuda_graphs_deepseek_v41_vl.SideStream`, so that it overlaps; elsewhere `in_line`.
+            attention's keys, the shared expert): in a CUDA graph (its warm-up and capture) the
+            device's `cuda_graphs_deepseek_v41_vl.SideStream`, so that it overlaps; otherwise
+            `in_line`.
             The step's tables (:meth:`freqs`, :meth:`window_slot`, :meth:`window_idxs`) are
             built before a fork, on the current stream.
     """

@@ -13,6 +13,7 @@ is the decode runner's (`decode_step_deepseek_v41_vl.py`).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from typing import Callable
@@ -156,7 +157,7 @@ class _Beside(Joined):
 
 
 def in_line(fn: Callable, *args) -> Joined:
-    """``fn(*args)`` now, as a :class:`Joined` (the CPU's and the eager layer path's `aside`)."""
+    """``fn(*args)`` now, as a :class:`Joined` (the `aside` of eager decode steps and of the layer path)."""
     return Joined(fn(*args))
 
 
@@ -195,14 +196,18 @@ class SideStream:
         self._next = (self._next + 1) % len(self._lanes)
         main = torch.cuda.current_stream(lane.device)
         lane.wait_stream(main)
-        handle = _Beside(None, main, None, args)
+        handle = _Beside(None, main, torch.cuda.Event(), args)
+        self._pending = [h for h in self._pending if h._done is not None] + [handle]
         try:
             with torch.cuda.stream(lane):
                 handle.value = fn(*args)
-        finally:  # what `fn` enqueued before raising is joined by join_all too
-            handle._done = torch.cuda.Event()
-            handle._done.record(lane)
-            self._pending = [h for h in self._pending if h._done is not None] + [handle]
+        except BaseException:
+            # what `fn` enqueued before raising is joined by join_all too; a capture that `fn`
+            # broke may refuse the event, and `fn`'s error is the one to raise
+            with contextlib.suppress(RuntimeError):
+                handle._done.record(lane)
+            raise
+        handle._done.record(lane)
         return handle
 
     def join_all(self) -> None:
@@ -220,8 +225,10 @@ def side_stream(device: torch.device) -> SideStream:
     warm-up and their capture). One per device: those run one at a time per device (under the
     replay lock), and nothing else enqueues on its lanes, so a capture never takes other work,
     and the per-stream state of its lanes (the quantized linears' split-K counters) is used by
-    those warm-ups and the graphs' replays alone, one after another. Made beside the capture
-    stream, so that its lanes are other streams of torch's pool than that one."""
+    those warm-ups and the graphs' replays alone, one after another. Made right after the capture
+    stream, so that its lanes are other streams of torch's pool than that one (the pool hands out
+    its streams in turn: a lane that were the capture stream would serialise the work, not break
+    it)."""
     index = torch.device(device).index
     if index is None:
         index = torch.cuda.current_device()

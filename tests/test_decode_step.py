@@ -371,7 +371,7 @@ def test_a_step_ranks_ties_by_position_whatever_the_width(fast):
 
 def test_the_work_a_step_runs_aside_is_read_only_after_its_join(fast, monkeypatch):
     # the step hands each layer's two mixes (with their Sinkhorn) and the attention's keys to
-    # `aside`, which on CUDA runs them on a second stream beside the attention's queries, the
+    # `aside`, which in a CUDA graph runs them on side streams beside the attention's queries, the
     # attention and the FFN. Run here only at their join, they give the same bits: nothing
     # between the fork and the join reads their results or changes what they read.
     import types

@@ -610,7 +610,8 @@ def moe_experts_triton(
         shared: bf16 ``[T, D]`` or None: the shared expert's output, added by the combine launch
             (`MoE.forward`'s ``y += shared; y.to(bf16)`` in the same fp32 add and one rounding).
             Or a handle whose ``join()`` gives it, joined right before the combine launch (the
-            decode step computes the shared expert on a second stream, beside these launches).
+            decode step's CUDA graph computes the shared expert on a second stream, beside these
+            launches).
 
     Returns:
         fp32 ``[T, D]``: the sum over each row's k experts, in ascending expert id; with `shared`,
