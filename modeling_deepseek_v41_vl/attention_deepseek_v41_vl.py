@@ -384,8 +384,8 @@ class DeepseekV41Attention(nn.Module):
     def _decode_keys(self, x: torch.Tensor, freqs: torch.Tensor, own, slot: torch.Tensor, step: DeepseekV41DecodeStep) -> None:
         """The keys a decode step writes (see :meth:`decode_step`): the window ring's row at `slot`,
         and a kv source's compressor state, compressed row and index key, and `step.publisher`
-        (in place); nothing the queries read. Run by `step.aside` (on CUDA a side stream) and
-        joined before anything reads them."""
+        (in place); nothing the queries read. Run by `step.aside` (in a decode step's graph, on a
+        side stream) and joined before anything reads them."""
         own.window_kv.index_copy_(1, slot, self.window_kv_rows(x, freqs))
         if self.ratio and self.is_kv_source:
             self._decode_compress(x, freqs, own, step)

@@ -24,14 +24,18 @@ import torch
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
+def _device_index(device) -> int:
+    """The index of a CUDA device (``"cuda"`` alone: the current one)."""
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     """One capture stream per device, reused by every capture on it. It must be on the device of
     the captured work: torch.cuda.graph's default capture stream is created once, on whichever
     device was current then, and capturing on it switches to that device (the kernels of a layer
     on GPU 1 would be captured on GPU 0)."""
-    index = torch.device(device).index
-    if index is None:
-        index = torch.cuda.current_device()
+    index = _device_index(device)
     if index not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
     return _CAPTURE_STREAMS[index]
@@ -229,9 +233,7 @@ def side_stream(device: torch.device) -> SideStream:
     stream, so that its lanes are other streams of torch's pool than that one (the pool hands out
     its streams in turn: a lane that were the capture stream would serialise the work, not break
     it)."""
-    index = torch.device(device).index
-    if index is None:
-        index = torch.cuda.current_device()
+    index = _device_index(device)
     with _LOCKS_GUARD:
         if index not in _SIDE_STREAMS:
             _capture_stream(torch.device("cuda", index))
@@ -254,7 +256,7 @@ def graph_pool(device: torch.device):
     """One CUDA-graph memory pool per device, shared by the captured decode steps of every cache
     and model (they replay one after another on one stream, so their intermediates may share
     memory; each step's outputs are cloned out of the pool)."""
-    key = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    key = _device_index(device)
     if key not in _GRAPH_POOLS:
         handle = torch.cuda.graph_pool_handle()
         # a pool lives while a graph uses it: once the last one is freed (graphs dropped after

@@ -212,12 +212,12 @@ class DeepseekV41DecoderLayer(GradientCheckpointingLayer):
         f = self.attn(hc.pre_norm(x, pre_mix_in, self.attn_norm), attention_state)
         return self._ffn_half(f, x, attn_pre, attn_post, attn_comb, image_mask)
 
-    def _ffn_half(self, f, x, attn_pre, attn_post, attn_comb, image_mask=None, aside=None):
-        # the FFN reads the attention's mixes (the lag), not its own: with `aside` (a decode
-        # step's), those and the shared expert run beside the routed experts
+    def _ffn_half(self, f, x, attn_pre, attn_post, attn_comb, image_mask=None, aside=in_line):
+        # the FFN reads the attention's mixes (the lag), not its own: with a decode step's graph
+        # `aside`, those and the shared expert run beside the routed experts
         hc = self.hc
         x1, ffn_mixes = hc.post_mixes(
-            f, x, attn_post, attn_comb, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, aside=aside or in_line
+            f, x, attn_post, attn_comb, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, aside=aside
         )  # the mixes as a handle, joined after the FFN
         f = self.ffn(hc.pre_norm(x1, attn_pre, self.ffn_norm), image_mask, aside=aside)
         ffn_pre, ffn_post, ffn_comb = ffn_mixes.join()

@@ -31,6 +31,8 @@ Numerics (the model's plan, `numerics_deepseek_v41_vl.py`):
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,6 +41,7 @@ from ..triton_ops.moe_experts import ExpertTableCache, combine_slots, moe_expert
 from ..triton_ops.moe_prefill import moe_routed_prefill, use_moe_prefill
 from ..triton_ops.moe_routing import route_topk, router_scores
 from ..triton_ops.swiglu import expert_swiglu_triton
+from .cuda_graphs_deepseek_v41_vl import in_line
 from .layers_deepseek_v41_vl import needs_grad
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics, plan_for
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
@@ -335,16 +338,15 @@ class DeepseekV41MoE(nn.Module):
         key = (rows, device, self.numerics)
         answers = self.__dict__.setdefault("_host_sync_free", {})
         if key not in answers:
-            answers[key] = (
-                self.numerics.backend("moe_experts", device) == "triton"
-                and use_moe_experts_kernel(
-                    torch.empty(rows, self.hidden_size, dtype=torch.bfloat16, device="meta"),
-                    torch.empty(rows, self.gate.top_k, device="meta"),
-                    self.routed_weight_dtype,
-                    backend="triton",
-                )
-            )
+            answers[key] = self._takes_kernels(torch.empty(rows, self.hidden_size, dtype=torch.bfloat16, device="meta"), device)
         return answers[key]
+
+    def _takes_kernels(self, x: torch.Tensor, device: torch.device) -> bool:
+        # whether the routed experts of `x` [T, D] on `device` run the expert kernels in fast
+        # numerics (`use_moe_experts_kernel`: shapes, dtypes and the plan's backend; asked before
+        # the router, so the pairs are a stand-in of their shape)
+        pairs = torch.empty(x.size(0), self.gate.top_k, device="meta")
+        return use_moe_experts_kernel(x, pairs, self.routed_weight_dtype, self.numerics.backend("moe_experts", device))
 
     def _routed_kernels(self, x, weights, indices, shared) -> torch.Tensor:
         # bf16 [T, D], the shared expert's output added by the combine launch; no host sync: the
@@ -353,16 +355,16 @@ class DeepseekV41MoE(nn.Module):
         mma = self.numerics.option("moe_experts_mma")
         return moe_experts_triton(x, weights, indices, self.expert_tables.get(self.experts), mma=mma, shared=shared)
 
-    def forward(self, hidden_states: torch.Tensor, image_rows: torch.Tensor | None = None, aside=None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, image_rows: torch.Tensor | None = None, aside: Callable = in_line) -> torch.Tensor:
         """Apply the MoE FFN.
 
         Args:
             hidden_states: ``[B, S, D]`` (bf16), the ``ffn_norm`` output.
             image_rows: bool ``[B, S]``, True on every image-span position (START, NEWLINE and END
                 included: ``token_types >= 0``); None for text-only input and decode.
-            aside: ``aside(fn, *args) -> handle`` (the decode step's `DeepseekV41DecodeStep.aside`):
-                where the expert kernels run, the shared expert is handed to it, to run beside
-                the routed experts until their combine launch reads it.
+            aside: ``aside(fn, *args) -> handle``: where the expert kernels run, how the shared
+                expert is run (by default in line; a decode step's graph runs it beside the
+                router and the routed experts, until their combine launch reads it).
 
         Returns:
             ``[B, S, D]`` in ``hidden_states.dtype``.
@@ -380,23 +382,20 @@ class DeepseekV41MoE(nn.Module):
             )
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
-        shared = None  # with `aside` on the kernels' path: the shared expert beside the router and the routed experts
-        if aside is not None and self.shard is None and x.dtype == torch.bfloat16 and self.runs_without_host_sync(x.size(0), x.device):
-            shared = aside(self.shared_experts, x)
+        kernels = not self.numerics.exact and self._takes_kernels(x, x.device)
+        # the kernels' shared expert, handed over before the router, which it does not need
+        shared = aside(self.shared_experts, x) if kernels and self.shard is None else None
         weights, indices = self.gate(x, None if image_rows is None else image_rows.reshape(-1))
         if self.shard is not None:
-            return self._sharded(x, weights, indices).to(hidden_states.dtype).view(shape)
-        if self.numerics.exact:
-            out = self._routed_exact(x, weights, indices)
-        elif use_moe_experts_kernel(x, indices, self.routed_weight_dtype, self.numerics.backend("moe_experts", x.device)):
+            return self._sharded(x, weights, indices, kernels).to(hidden_states.dtype).view(shape)
+        if kernels:
             # (bf16 x) the routed sum + the shared output and the cast, in the kernels' last launch
-            return self._routed_kernels(x, weights, indices, self.shared_experts(x) if shared is None else shared).view(shape)
-        else:
-            out = self._routed_grouped(x, weights, indices)
-        out += self.shared_experts(x) if shared is None else shared.join()
+            return self._routed_kernels(x, weights, indices, shared).view(shape)
+        out = self._routed_exact(x, weights, indices) if self.numerics.exact else self._routed_grouped(x, weights, indices)
+        out += self.shared_experts(x)
         return out.to(hidden_states.dtype).view(shape)
 
-    def _sharded(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    def _sharded(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, kernels: bool) -> torch.Tensor:
         """fp32 ``[T, D]`` under tensor/expert parallelism: this rank's experts' terms (the other
         ranks' slots left out; in the expert kernels, whose launch shapes are fixed, they weigh 0:
         `DeepseekV41Shard.local_routes`) summed over the ranks in fp32,
@@ -404,7 +403,7 @@ class DeepseekV41MoE(nn.Module):
         all-reduce and rounded once, a replicated one computed whole."""
         if self.numerics.exact:
             out = self._routed_exact(x, weights, indices)
-        elif use_moe_experts_kernel(x, indices, self.routed_weight_dtype, self.numerics.backend("moe_experts", x.device)):
+        elif kernels:
             local = self.shard.local_routes(weights, indices, self.expert_offset, len(self.experts))
             out = self._routed_kernels(x, *local, None)
         else:
