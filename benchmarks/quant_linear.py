@@ -8,7 +8,9 @@ read per second. Two timings of the kernel:
 - graph: one CUDA graph replaying the call over enough copies of the weight (>= 256 MB in all)
   that none is still in L2, as in a graph-captured decode step: HBM time without launch cost.
 
-It also checks the kernel against the fallback (max |diff| in bf16 ulps of the fallback).
+It also checks the kernel against the fallback (max |diff| in bf16 ulps of the fallback), and
+times the other kernel (the tile kernel or the one-row CUDA-core GEMV, whichever the default is
+not) at its own defaults from a graph, side by side.
 
 Usage (CUDA only)::
 
@@ -16,6 +18,7 @@ Usage (CUDA only)::
     python benchmarks/quant_linear.py --rows 1 4 16
     python benchmarks/quant_linear.py --sweep         # also try 54 other configs per shape (minutes each)
     python benchmarks/quant_linear.py --shapes wkv wo_b --sweep
+    python benchmarks/quant_linear.py --sweep --kernel gemv --block-n 16 32 64 --groups-per-iter 2 4 8 --num-stages 1 --num-warps 2 4 8
 """
 
 from __future__ import annotations
@@ -111,7 +114,9 @@ def bench_shape(name: str, rows: int, device: torch.device, configs=None) -> lis
 
     t_fallback = triton.testing.do_bench(lambda: fallback(x, weight, scale, kind), return_mode="median")
     default = default_config(rows, n, k, kind, device)
-    candidates = [default] + list(configs or [])
+    # the other kernel (tile kernel <-> CUDA-core GEMV) at its own defaults, side by side
+    other = default_config(rows, n, k, kind, device, gemv=not default.gemv)
+    candidates = [default, other] + list(configs or [])
     results = []
     for cfg in candidates:
         try:
@@ -120,10 +125,12 @@ def bench_shape(name: str, rows: int, device: torch.device, configs=None) -> lis
         except Exception as exc:  # a config that does not compile: report and go on
             results.append((float("inf"), f"{cfg}: {type(exc).__name__}"))
     t_eager = triton.testing.do_bench(lambda: quantized_linear_triton(x, weight, scale, kind), return_mode="median")
-    t_graph = results[0][0]
+    t_graph, t_other = results[0][0], results[1][0]
+    kernels = ("gemv", "tile") if default.gemv else ("tile", "gemv")
     lines = [
-        f"| {name} | {kind} | {n}x{k} | {rows} | {nbytes / 1e6:.1f} | {t_fallback * 1e3:.1f} | {t_eager * 1e3:.1f} "
-        f"| {t_graph * 1e3:.1f} | {gbps(t_graph):.0f} | {t_fallback / t_graph:.1f}x | {max_ulps:.2f} |"
+        f"| {name} | {kind} | {n}x{k} | {rows} | {nbytes / 1e6:.1f} | {t_fallback * 1e3:.1f} | {kernels[0]} "
+        f"| {t_eager * 1e3:.1f} | {t_graph * 1e3:.1f} | {gbps(t_graph):.0f} | {t_fallback / t_graph:.1f}x | {max_ulps:.2f} "
+        f"| {kernels[1]}: {t_other * 1e3:.1f} |"
     ]
     if configs:
         best_t, best_cfg = min(results, key=lambda r: r[0])
@@ -137,15 +144,16 @@ def sweep_configs(rows: int, name: str, device: torch.device, grid=None):
     mostly compilation)."""
     kind, n, k = SHAPES[name]
     grid = grid or {}
-    for block_n, gpi, stages, warps in itertools.product(
+    for gemv, block_n, gpi, stages, warps in itertools.product(
+        grid.get("gemv", (default_config(rows, n, k, kind, device).gemv,)),
         grid.get("block_n", (32, 64, 128)), grid.get("groups_per_iter", (1, 2, 4)), grid.get("num_stages", (2, 4)),
         grid.get("num_warps", (4,)),
     ):
-        base = default_config(rows, n, k, kind, device, block_n=block_n)
+        base = default_config(rows, n, k, kind, device, gemv=gemv, block_n=block_n)
         for split in sorted({max(1, base.split_k // 2), base.split_k, base.split_k * 2}):
             yield default_config(
-                rows, n, k, kind, device, block_n=block_n, groups_per_iter=gpi, num_stages=stages, num_warps=warps,
-                split_k=split,
+                rows, n, k, kind, device, gemv=gemv, block_n=block_n, groups_per_iter=gpi, num_stages=stages,
+                num_warps=warps, split_k=split,
             )
 
 
@@ -156,16 +164,20 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time other launch configs (graph replay)")
     for field in ("block_n", "groups_per_iter", "num_stages", "num_warps"):
         parser.add_argument(f"--{field.replace('_', '-')}", type=int, nargs="+", help=f"the sweep's {field} values")
+    parser.add_argument("--kernel", nargs="+", choices=("tile", "gemv"),
+                        help="the sweep's kernels (default: the default config's)")
     args = parser.parse_args()
     grid = {f: tuple(getattr(args, f)) for f in ("block_n", "groups_per_iter", "num_stages", "num_warps")
             if getattr(args, f)}
+    if args.kernel:
+        grid["gemv"] = tuple(kernel == "gemv" for kernel in args.kernel)
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs CUDA")
     device = torch.device("cuda")
     print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}")
-    print("| linear | fmt | N x K | M | weight MB | fallback us | kernel eager us | kernel graph us "
-          "| graph GB/s | speed-up (graph vs fallback) | max diff (ulps) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| linear | fmt | N x K | M | weight MB | fallback us | default kernel | kernel eager us | kernel graph us "
+          "| graph GB/s | speed-up (graph vs fallback) | max diff (ulps) | other kernel, graph us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for rows, name in itertools.product(args.rows, args.shapes):
         configs = list(sweep_configs(rows, name, device, grid)) if args.sweep else None
         for line in bench_shape(name, rows, device, configs):

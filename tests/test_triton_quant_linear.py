@@ -113,6 +113,11 @@ CASES = [  # kind, m, n, k, launch config (None: the default, 128 features per p
     ("fp4", 3, 40, 96, QuantLinearConfig(block_n=32, split_k=2, groups_per_iter=1)),
     ("fp4", 2, 40, 320, QuantLinearConfig(block_n=32, split_k=2, groups_per_iter=4)),  # the last tile overruns K
     ("fp4", 3, 104, 96, None),
+    # one program per row, products summed on the CUDA cores (the default at one row)
+    ("fp8", 3, 40, 384, QuantLinearConfig(gemv=True, block_n=16, split_k=3, groups_per_iter=4)),
+    ("fp8", 2, 100, 96, QuantLinearConfig(gemv=True, block_n=32, groups_per_iter=2)),  # the last tile overruns K
+    ("fp4", 3, 40, 320, QuantLinearConfig(gemv=True, block_n=16, split_k=2, groups_per_iter=4)),
+    ("fp4", 2, 104, 96, QuantLinearConfig(gemv=True, block_n=32, groups_per_iter=1)),
 ]
 
 

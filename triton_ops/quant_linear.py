@@ -54,6 +54,13 @@ it was captured on (made, if new, inside the capture: one memset node), so graph
 stream are assumed to replay one after another, as their shared memory pool already requires. No
 host synchronisation and only shape-dependent allocations: CUDA-graph capturable after a warm-up
 call has compiled the kernel.
+
+One row (``QuantLinearConfig.gemv``, the default up to :data:`GEMV_MAX_ROWS` rows): a 16-row
+``tl.dot`` tile would be 15/16 padding, and its weight operand a round trip through shared
+memory. `_quant_gemv_kernel`'s program ``(n_block, k_split, row)`` instead multiplies the decoded
+weight tile ``[BLOCK_N, G, 32]`` by the row's fake-quantized values elementwise on the CUDA cores
+(the same exact fp32 products), adds them into an fp32 tile of that shape and sums the tile once,
+after its K range; split-K and the final rounding are shared with the tile kernel.
 """
 
 from __future__ import annotations
@@ -81,6 +88,18 @@ QUANT_LINEAR_MAX_ROWS = 16
 _BLOCK_M = 16  # tl.dot's smallest tile side
 # programs per SM the split-K heuristic aims for, and the fewest K groups a split may get
 _PROGRAMS_PER_SM = 4
+# Rows up to which the default config is the CUDA-core GEMV (`QuantLinearConfig.gemv`): for fp4
+# weights, and fp8 weights of at most GEMV_MAX_FP8_WEIGHT elements (the larger ones read faster
+# through the tile kernel); its defaults per format and the programs per SM its split-K aims for.
+# Measured on an H100 (graph replay, one row; `benchmarks/quant_linear.py`): the defaults are the
+# sweep's fastest or within 0.5 us of it at each release shape
+GEMV_MAX_ROWS = 1
+GEMV_MAX_FP8_WEIGHT = 16 << 20
+_GEMV_DEFAULTS = {
+    "fp8": {"block_n": 16, "groups_per_iter": 4, "num_warps": 4, "num_stages": 1},
+    "fp4": {"block_n": 16, "groups_per_iter": 8, "num_warps": 2, "num_stages": 1},
+}
+_GEMV_PROGRAMS_PER_SM = 8
 _MIN_GROUPS_PER_SPLIT = 4
 # output tiles a split launch may have: one int32 counter each, per device
 MAX_SPLIT_TILES = 4096
@@ -104,6 +123,9 @@ class QuantLinearConfig:
             split launch may have at most :data:`MAX_SPLIT_TILES` output tiles (N / block_n x
             M / 16).
         num_warps, num_stages: passed to the launch (num_stages: software-pipelining depth).
+        gemv: one program per activation row, products summed on the CUDA cores
+            (`_quant_gemv_kernel`) instead of 16-row ``tl.dot`` tiles: for one or two rows, where
+            the tiles would be mostly padding.
     """
 
     block_n: int = 128
@@ -111,6 +133,7 @@ class QuantLinearConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    gemv: bool = False
 
 
 def resolve_quant_linear_backend(backend: str | None, device: torch.device) -> str:
@@ -177,12 +200,17 @@ if triton is not None:
         return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _fake_quant_scaled(x, scale, inv_scale):
+        """x fp32 and its groups' s and 1/s (broadcastable to x) -> q * s as bf16 (`fake_quant_fp8`)."""
+        v = x * inv_scale
+        v = tl.minimum(tl.maximum(v, -E4M3_MAX_TL), E4M3_MAX_TL)
+        return (_round_to_e4m3(v) * scale).to(tl.bfloat16)
+
+    @triton.jit
     def _fake_quant_groups(x, scale, inv_scale):
         """x fp32 [G, L, BM] (per group g, L values of each of BM rows) -> q * s as bf16, with the
         scale of group g and row m."""
-        v = x * inv_scale[:, None, :]
-        v = tl.minimum(tl.maximum(v, -E4M3_MAX_TL), E4M3_MAX_TL)
-        return (_round_to_e4m3(v) * scale[:, None, :]).to(tl.bfloat16)
+        return _fake_quant_scaled(x, scale[:, None, :], inv_scale[:, None, :])
 
     @triton.jit
     def _to_bf16_rne(v):
@@ -200,6 +228,60 @@ if triton is not None:
         else:
             out = tl.dot(a, b)
         return out
+
+    @triton.jit
+    def _fp8_tile(w8, s_byte, PTX_DECODE: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+        """e4m3 bytes [BLOCK_N, GROUPS, 32] and their e8m0 scale bytes [BLOCK_N, GROUPS] -> the
+        dequantized bf16 values, ``bf16(value * s_w)``."""
+        if PTX_DECODE:
+            w_scale = tl.broadcast_to(e8m0_to_bf16(s_byte.to(tl.int32))[:, :, None], (BLOCK_N, GROUPS, 32))
+            w = e4m3_scaled_to_bf16_ptx(w8, w_scale)
+        else:
+            w_val = w8.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16).to(tl.float32)
+            w = _to_bf16_rne(w_val * e8m0_to_fp32(s_byte)[:, :, None])
+        return w
+
+    @triton.jit
+    def _fp4_tile(packed, s_byte, PTX_DECODE: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr):
+        """Packed E2M1 bytes [BLOCK_N, GROUPS, 16] (even element in the low nibble) and their e8m0
+        scale bytes [BLOCK_N, GROUPS] -> the dequantized bf16 values of the even and of the odd
+        elements, [BLOCK_N, GROUPS, 16] each."""
+        if PTX_DECODE:
+            w_scale = tl.broadcast_to(e8m0_to_bf16(s_byte.to(tl.int32))[:, :, None], (BLOCK_N, GROUPS, 16))
+            w_lo, w_hi = fp4_pairs_to_bf16_ptx(packed, w_scale)
+        else:
+            # E2M1 code c -> e4m3 byte of c's value * 2^-6: sign to bit 7, magnitude << 2
+            u = packed.to(tl.int32)
+            lo = (((u << 4) & 0x80) | ((u << 2) & 0x1C)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+            hi = ((u & 0x80) | ((u >> 2) & 0x1C)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+            w_scale = (e8m0_to_fp32(s_byte) * 64.0)[:, :, None]
+            w_lo = _to_bf16_rne(lo.to(tl.bfloat16).to(tl.float32) * w_scale)
+            w_hi = _to_bf16_rne(hi.to(tl.bfloat16).to(tl.float32) * w_scale)
+        return w_lo, w_hi
+
+    @triton.jit
+    def _store_tile(acc, offs_n, offs_m, n_ok, m_ok, tile, pid_k, M, N, n_splits, out_ptr, ws_ptr, count_ptr,
+                    stride_om, SPLIT: tl.constexpr, OUT_FP32: tl.constexpr):
+        """Stores the fp32 sums `acc` [BLOCK_N, BLOCK_M] of output features `offs_n` and rows
+        `offs_m`, or with SPLIT this K range's share of them: its partials go to the workspace
+        [S, M, N] fp32 (contiguous), then it takes a ticket from the tile's counter (the barrier
+        orders every thread's stores before the release increment) and the last ticket's program
+        adds the ranges in order, stores the result and resets the counter."""
+        out_mask = n_ok[:, None] & m_ok[None, :]
+        out_offs = offs_m[None, :] * stride_om + offs_n[:, None]
+        if SPLIT:
+            tile_offs = offs_m[None, :] * N + offs_n[:, None]
+            tl.store(ws_ptr + pid_k * (M * N) + tile_offs, acc, mask=out_mask)
+            tl.debug_barrier()
+            ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if ticket == n_splits - 1:
+                total = tl.load(ws_ptr + tile_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+                for r in range(1, n_splits):
+                    total += tl.load(ws_ptr + r * (M * N) + tile_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + out_offs, total if OUT_FP32 else _to_bf16_rne(total), mask=out_mask)
+                tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+        else:
+            tl.store(out_ptr + out_offs, acc if OUT_FP32 else _to_bf16_rne(acc), mask=out_mask)
 
     @triton.jit
     def _quant_linear_kernel(
@@ -264,17 +346,7 @@ if triton is not None:
 
                 packed = tl.load(w_rows + (gi * 16)[None, :, None] + j[None, None, :], mask=w_mask, other=0)
                 s_byte = tl.load(s_ptr + offs_n[:, None] * stride_sn + gi[None, :], mask=s_mask, other=E8M0_BIAS_TL)
-                if PTX_DECODE:
-                    w_scale = tl.broadcast_to(e8m0_to_bf16(s_byte.to(tl.int32))[:, :, None], (BLOCK_N, GROUPS_PER_ITER, 16))
-                    w_lo, w_hi = fp4_pairs_to_bf16_ptx(packed, w_scale)
-                else:
-                    # E2M1 code c -> e4m3 byte of c's value * 2^-6: sign to bit 7, magnitude << 2
-                    u = packed.to(tl.int32)
-                    lo = (((u << 4) & 0x80) | ((u << 2) & 0x1C)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-                    hi = ((u & 0x80) | ((u >> 2) & 0x1C)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-                    w_scale = (e8m0_to_fp32(s_byte) * 64.0)[:, :, None]
-                    w_lo = _to_bf16_rne(lo.to(tl.bfloat16).to(tl.float32) * w_scale)
-                    w_hi = _to_bf16_rne(hi.to(tl.bfloat16).to(tl.float32) * w_scale)
+                w_lo, w_hi = _fp4_tile(packed, s_byte, PTX_DECODE, BLOCK_N, GROUPS_PER_ITER)
                 acc += _dot(tl.reshape(w_lo, (BLOCK_N, GROUPS_PER_ITER * 16)), xq_even, DOT_FP32)
                 acc += _dot(tl.reshape(w_hi, (BLOCK_N, GROUPS_PER_ITER * 16)), xq_odd, DOT_FP32)
             else:
@@ -287,33 +359,86 @@ if triton is not None:
                 w8 = tl.load(w_rows + (gi * 32)[None, :, None] + kk[None, None, :], mask=w_mask, other=0)
                 s_rows = s_ptr + (offs_n // 32)[:, None] * stride_sn
                 s_byte = tl.load(s_rows + gi[None, :], mask=s_mask, other=E8M0_BIAS_TL)
-                if PTX_DECODE:
-                    w_scale = tl.broadcast_to(e8m0_to_bf16(s_byte.to(tl.int32))[:, :, None], (BLOCK_N, GROUPS_PER_ITER, 32))
-                    w = e4m3_scaled_to_bf16_ptx(w8, w_scale)
-                else:
-                    w_val = w8.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16).to(tl.float32)
-                    w = _to_bf16_rne(w_val * e8m0_to_fp32(s_byte)[:, :, None])
+                w = _fp8_tile(w8, s_byte, PTX_DECODE, BLOCK_N, GROUPS_PER_ITER)
                 acc += _dot(tl.reshape(w, (BLOCK_N, GROUPS_PER_ITER * 32)), xq, DOT_FP32)
 
-        out_mask = n_ok[:, None] & m_ok[None, :]
-        out_offs = offs_m[None, :] * stride_om + offs_n[:, None]
-        if SPLIT:
-            # this range's partials into the workspace [S, M, N] fp32 (contiguous), then a ticket
-            # from the tile's counter: the barrier orders every thread's stores before the
-            # (release) increment; the last ticket's program adds the ranges in order
-            tile_offs = offs_m[None, :] * N + offs_n[:, None]
-            tl.store(ws_ptr + pid_k * (M * N) + tile_offs, acc, mask=out_mask)
-            tl.debug_barrier()
-            tile = pid_m * tl.num_programs(0) + pid_n
-            ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if ticket == n_splits - 1:
-                total = tl.load(ws_ptr + tile_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
-                for r in range(1, n_splits):
-                    total += tl.load(ws_ptr + r * (M * N) + tile_offs, mask=out_mask, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + out_offs, total if OUT_FP32 else _to_bf16_rne(total), mask=out_mask)
-                tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+        _store_tile(acc, offs_n, offs_m, n_ok, m_ok, pid_m * tl.num_programs(0) + pid_n, pid_k, M, N, n_splits,
+                    out_ptr, ws_ptr, count_ptr, stride_om, SPLIT, OUT_FP32)
+
+    @triton.jit
+    def _quant_gemv_kernel(
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        out_ptr,
+        ws_ptr,
+        count_ptr,
+        M,
+        N,
+        n_groups,
+        groups_per_split,
+        n_splits,
+        stride_xm,
+        stride_wn,
+        stride_sn,
+        stride_om,
+        IS_FP4: tl.constexpr,
+        SPLIT: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        GROUPS_PER_ITER: tl.constexpr,
+        PTX_DECODE: tl.constexpr,
+        OUT_FP32: tl.constexpr,
+    ):
+        # program (n_block, k_split, row): one activation row, no tensor cores. Each loop step
+        # multiplies the dequantized weight tile [BLOCK_N, G, 32] by the row's fake-quantized
+        # values elementwise (exact fp32 products) and adds them into a tile of fp32 sums of the
+        # same shape; the tile is summed once, after the loop
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        row = tl.program_id(2)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        g_lo = pid_k * groups_per_split
+        g_hi = tl.minimum(g_lo + groups_per_split, n_groups)
+        gj = tl.arange(0, GROUPS_PER_ITER)
+        x_row = x_ptr + row * stride_xm
+        w_rows = w_ptr + offs_n[:, None, None] * stride_wn  # [BN, 1, 1]
+        if IS_FP4:
+            acc = tl.zeros([BLOCK_N, GROUPS_PER_ITER, 16], dtype=tl.float32)
         else:
-            tl.store(out_ptr + out_offs, acc if OUT_FP32 else _to_bf16_rne(acc), mask=out_mask)
+            acc = tl.zeros([BLOCK_N, GROUPS_PER_ITER, 32], dtype=tl.float32)
+        for g0 in range(g_lo, g_hi, GROUPS_PER_ITER):
+            gi = g0 + gj
+            g_ok = gi < g_hi
+            w_mask = n_ok[:, None, None] & g_ok[None, :, None]
+            s_mask = n_ok[:, None] & g_ok[None, :]
+            if IS_FP4:
+                j = tl.arange(0, 16)
+                x_lo = x_row + (gi * 32)[:, None] + (2 * j)[None, :]  # [G, 16]
+                x_even = tl.load(x_lo, mask=g_ok[:, None], other=0.0).to(tl.float32)
+                x_odd = tl.load(x_lo + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
+                amax = tl.maximum(tl.max(tl.abs(x_even), axis=1), tl.max(tl.abs(x_odd), axis=1))
+                scale, inv_scale = _pow2_scale(amax)  # [G]
+                xq_even = _fake_quant_scaled(x_even, scale[:, None], inv_scale[:, None]).to(tl.float32)
+                xq_odd = _fake_quant_scaled(x_odd, scale[:, None], inv_scale[:, None]).to(tl.float32)
+                packed = tl.load(w_rows + (gi * 16)[None, :, None] + j[None, None, :], mask=w_mask, other=0)
+                s_byte = tl.load(s_ptr + offs_n[:, None] * stride_sn + gi[None, :], mask=s_mask, other=E8M0_BIAS_TL)
+                w_lo, w_hi = _fp4_tile(packed, s_byte, PTX_DECODE, BLOCK_N, GROUPS_PER_ITER)
+                acc += w_lo.to(tl.float32) * xq_even[None, :, :]
+                acc += w_hi.to(tl.float32) * xq_odd[None, :, :]
+            else:
+                kk = tl.arange(0, 32)
+                x_t = tl.load(x_row + (gi * 32)[:, None] + kk[None, :], mask=g_ok[:, None], other=0.0).to(tl.float32)
+                scale, inv_scale = _pow2_scale(tl.max(tl.abs(x_t), axis=1))  # [G]
+                xq = _fake_quant_scaled(x_t, scale[:, None], inv_scale[:, None]).to(tl.float32)
+                w8 = tl.load(w_rows + (gi * 32)[None, :, None] + kk[None, None, :], mask=w_mask, other=0)
+                s_byte = tl.load(s_ptr + (offs_n // 32)[:, None] * stride_sn + gi[None, :], mask=s_mask,
+                                 other=E8M0_BIAS_TL)
+                acc += _fp8_tile(w8, s_byte, PTX_DECODE, BLOCK_N, GROUPS_PER_ITER).to(tl.float32) * xq[None, :, :]
+        total = tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]  # [BN, 1]
+        offs_m = row + tl.arange(0, 1)
+        _store_tile(total, offs_n, offs_m, n_ok, offs_m < M, row * tl.num_programs(0) + pid_n, pid_k, M, N,
+                    n_splits, out_ptr, ws_ptr, count_ptr, stride_om, SPLIT, OUT_FP32)
 
 
 _TILE_COUNTERS: dict[tuple, torch.Tensor] = {}
@@ -342,26 +467,31 @@ def default_config(
 ) -> QuantLinearConfig:
     """Launch parameters for ``[m, k] x [n, k]^T`` on `device`.
 
-    128 output features per program and 4 groups of 32 K per loop step (unless `overrides` set
-    them; they may set any field of :class:`QuantLinearConfig`); K is split only when the N x M
-    blocks alone give fewer than four programs per SM, into as many ranges as reach that (each of
-    at least 4 groups of 32). At M = 1 on 132 SMs, N blocks x K ranges: (1280, 5120) 10 x 40;
-    (32768, 1280) 256 x 3; (512, 5120) 4 x 40; (5120, 8192) 40 x 13; (2304, 5120) 18 x 20;
-    (5120, 2304) 40 x 9. On an H200 (`benchmarks/quant_linear.py --sweep`, graph-replayed,
-    weights from HBM) these were within about 5% of the fastest configuration of each decode
-    shape. `weight_dtype` is accepted for per-format tuning.
+    The tile kernel: 128 output features per program and 4 groups of 32 K per loop step (unless
+    `overrides` set them; they may set any field of :class:`QuantLinearConfig`); K is split only
+    when the N x M blocks alone give fewer than four programs per SM, into as many ranges as reach
+    that (each of at least 4 groups of 32). At M = 1 on 132 SMs, N blocks x K ranges:
+    (32768, 1280) 256 x 3; (5120, 8192) 40 x 13. On an H200 (`benchmarks/quant_linear.py
+    --sweep`, graph-replayed, weights from HBM) these were within about 5% of the fastest
+    configuration of each decode shape.
+
+    The CUDA-core GEMV (``gemv``; one row, fp4 weights or fp8 ones of at most
+    :data:`GEMV_MAX_FP8_WEIGHT` elements): 16 features per program, 4 (fp8) or 8 (fp4) groups
+    per loop step, K split to about eight programs per SM: (1280, 5120) 80 x 14; (512, 5120)
+    32 x 33; (2304, 5120) 144 x 8; (5120, 2304) 320 x 4.
     """
-    del weight_dtype
-    block_n = overrides.get("block_n", QuantLinearConfig.block_n)
+    gemv = overrides.get("gemv", m <= GEMV_MAX_ROWS and (weight_dtype == "fp4" or n * k <= GEMV_MAX_FP8_WEIGHT))
+    fields = {**(_GEMV_DEFAULTS[weight_dtype] if gemv else {}), **overrides, "gemv": gemv}
+    block_n = fields.get("block_n", QuantLinearConfig.block_n)
     sms = 1  # the interpreter: a couple of programs
     if device.type == "cuda":
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, _BLOCK_M)
-    target = _PROGRAMS_PER_SM * sms
+    tiles = triton.cdiv(n, block_n) * (m if gemv else triton.cdiv(m, _BLOCK_M))
+    target = (_GEMV_PROGRAMS_PER_SM if gemv else _PROGRAMS_PER_SM) * sms
     split = 1
     if tiles < target:
         split = max(1, min(triton.cdiv(target, tiles), (k // GROUP) // _MIN_GROUPS_PER_SPLIT))
-    return QuantLinearConfig(**{"split_k": split, **overrides})
+    return QuantLinearConfig(**{"split_k": split, **fields})
 
 
 def _check_args(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, weight_dtype: str) -> tuple[int, int]:
@@ -480,7 +610,7 @@ def quantized_linear_triton(
     step = config.groups_per_iter
     groups_per_split = triton.cdiv(triton.cdiv(groups, config.split_k), step) * step
     n_splits = triton.cdiv(groups, groups_per_split)
-    grid = (triton.cdiv(n, config.block_n), n_splits, triton.cdiv(m, _BLOCK_M))
+    grid = (triton.cdiv(n, config.block_n), n_splits, m if config.gemv else triton.cdiv(m, _BLOCK_M))
     split = n_splits > 1
     if split:
         if grid[0] * grid[2] > MAX_SPLIT_TILES:
@@ -492,38 +622,28 @@ def quantized_linear_triton(
         counters = _tile_counters(x.device)
     else:
         workspace = counters = out  # not read
-    _quant_linear_kernel[grid](
-        x2d,
-        weight.view(torch.uint8),
-        scale.view(torch.uint8),
-        out,
-        workspace,
-        counters,
-        m,
-        n,
-        groups,
-        groups_per_split,
-        n_splits,
-        x2d.stride(0),
-        weight.stride(0),
-        scale.stride(0),
-        out.stride(0),
+    args = (x2d, weight.view(torch.uint8), scale.view(torch.uint8), out, workspace, counters, m, n, groups,
+            groups_per_split, n_splits, x2d.stride(0), weight.stride(0), scale.stride(0), out.stride(0))
+    flags = dict(
         IS_FP4=weight_dtype == "fp4",
         SPLIT=split,
         BLOCK_N=config.block_n,
-        BLOCK_M=_BLOCK_M,
         GROUPS_PER_ITER=config.groups_per_iter,
-        DOT_FP32=interpreted,
         PTX_DECODE=not interpreted,  # `dequant`'s inline-PTX decodes (the interpreter cannot run PTX)
         OUT_FP32=out_dtype == torch.float32,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+    if config.gemv:
+        _quant_gemv_kernel[grid](*args, **flags)
+    else:
+        _quant_linear_kernel[grid](*args, BLOCK_M=_BLOCK_M, DOT_FP32=interpreted, **flags)
     return out.view(*lead, n)
 
 
 __all__ = [
     "ENV_BACKEND",
+    "GEMV_MAX_ROWS",
     "GROUP",
     "MAX_SPLIT_TILES",
     "QUANT_LINEAR_MAX_ROWS",
