@@ -126,6 +126,26 @@ def test_routed_sum_top4_many_pairs_per_expert_in_chunks():
     _assert_close_to_module_math(out, ref)
 
 
+@pytest.mark.parametrize("fmt,n_tokens,splits", [
+    ("fp4", 24, {"gate_up": 1, "down": 1}),  # ~12 pairs per expert, one at a time
+    ("fp4", 3, {"gate_up": 2, "down": 3}),
+    ("fp8", 3, {"gate_up": 2, "down": 1}),
+    ("bf16", 3, {"gate_up": 1, "down": 2}),
+])
+def test_cuda_core_launches_match_module_math(fmt, n_tokens, splits):
+    # fma: the products on the CUDA cores, one (token, slot) pair at a time, forced for rows the
+    # default would send to tl.dot; T = 1 takes this path by default (the forward tests above)
+    moe = _tiny_moe(fmt, 1.0, top_k=4 if n_tokens > 3 else 2, seed=11 + n_tokens)
+    x = _inputs(n_tokens, seed=12).reshape(-1, HIDDEN)
+    assert n_tokens > moe_experts.FMA_MAX_TOKENS
+    with torch.inference_mode():
+        weights, indices = moe.gate(x)
+        ref = moe._routed_grouped(x, weights, indices)
+        table = moe.expert_tables.get(moe.experts)
+        out = moe_experts.moe_experts_triton(x, weights, indices, table, config={"fma": True, "splits": splits})
+    _assert_close_to_module_math(out, ref)
+
+
 class _LaunchCount:
     """Counts the launches of a Triton kernel (``kernel[grid](...)``)."""
 
@@ -341,6 +361,10 @@ def test_bad_input_raises(monkeypatch):
         run(x, w, ids, table, mma="manual", config={"ptx_decode": "no"})
     with pytest.raises(MoEExpertsError, match="block_m"):
         run(x, w, ids, table, config={"block_m": 16.0})
+    with pytest.raises(MoEExpertsError, match="one pair at a time: block_m must be 1"):
+        run(x, w, ids, table, config={"fma": True, "block_m": 16})
+    with pytest.raises(MoEExpertsError, match="fma must be a bool"):
+        run(x, w, ids, table, config={"fma": 1})
     monkeypatch.setenv(moe_experts.ENV_MMA, "wgmma")
     with pytest.raises(MoEExpertsError, match=moe_experts.ENV_MMA):
         run(x, w, ids, table)

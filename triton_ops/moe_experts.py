@@ -58,6 +58,12 @@ deterministic; the fp32 sums are taken in another order than without splits, and
 counts follow the number of pairs, a row decoded alone may round a bf16 bit apart from the same
 row in a larger batch.
 
+**One token row** (``fma``, the default up to :data:`FMA_MAX_TOKENS` rows): a 16-pair MMA tile
+would be nearly all padding; the gate-up and down programs instead take their expert's pairs one
+at a time and multiply the decoded weight tile by the pair's row elementwise on the CUDA cores
+(the same exact fp32 products), into an fp32 tile summed over K after the loop. Same grids,
+split-K and epilogues.
+
 Two ways to multiply by quantized weights (``mma``): ``"scaled"`` hands the packed fp4 / fp8 bytes
 and e8m0 scales to ``tl.dot_scaled`` (Triton's own upcast to bf16, then a bf16 MMA); ``"manual"``
 decodes the codes to bf16 and calls ``tl.dot`` (fp4 on the GPU: integer and bf16x2 instructions,
@@ -107,6 +113,7 @@ __all__ = [
     "ENV_BACKEND",
     "DEFAULT_MMA",
     "ENV_MMA",
+    "FMA_MAX_TOKENS",
     "MMA_CHOICES",
     "KERNEL_MAX_PAIRS",
     "MAX_PAIRS",
@@ -372,6 +379,30 @@ if triton is not None:
         return xa_t, xb_t
 
     @triton.jit
+    def _load_act_row(a_ptr, row_off, valid, k0, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
+        # The CUDA-core variant's activation: one pair's row (row_off, valid: [1]) of the K step at
+        # k0 as fp32 [1, BLOCK_K] twice, or with SPLIT (fp4) its even and odd K columns
+        # [1, BLOCK_K/2]
+        if SPLIT:
+            ptrs = a_ptr + row_off[:, None] + k0 + 2 * tl.arange(0, BLOCK_K // 2)[None, :]
+            xa = tl.load(ptrs, mask=valid[:, None], other=0.0).to(tl.float32)
+            xb = tl.load(ptrs + 1, mask=valid[:, None], other=0.0).to(tl.float32)
+        else:
+            ptrs = a_ptr + row_off[:, None] + k0 + tl.arange(0, BLOCK_K)[None, :]
+            xa = tl.load(ptrs, mask=valid[:, None], other=0.0).to(tl.float32)
+            xb = xa
+        return xa, xb
+
+    @triton.jit
+    def _weight_fma(acc, wa, wb, xa, xb, FMT: tl.constexpr):
+        # acc [BLOCK_N, ACC_K] += the decoded tile (`_load_weight_tile`, manual) times one row,
+        # elementwise: exact fp32 products, summed over K after the loop
+        acc += wa.to(tl.float32) * xa
+        if FMT == 1:
+            acc += wb.to(tl.float32) * xb
+        return acc
+
+    @triton.jit
     def _fake_quant_rows_kernel(x_ptr, out_ptr, D, stride_x, BLOCK_G: tl.constexpr):
         # out[t] = fake_quant_fp8(x[t]) for one token row and BLOCK_G groups of 32 columns
         t = tl.program_id(0).to(tl.int64)
@@ -412,6 +443,8 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         SPLITS: tl.constexpr,
+        FMA: tl.constexpr,
+        ACC_K: tl.constexpr,
     ):
         pid = tl.program_id(0)
         n_blk = tl.program_id(1)
@@ -460,17 +493,34 @@ if triton is not None:
                 row_off = (pair // TOP_K).to(tl.int64) * stride_a
             else:
                 row_off = pair.to(tl.int64) * stride_a
-            acc_a = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            acc_b = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             # split-K: this program's share of the K blocks (all of them without splits)
             k_blocks = K // BLOCK_K
-            for k0 in range((split * k_blocks // SPLITS) * BLOCK_K, ((split + 1) * k_blocks // SPLITS) * BLOCK_K, BLOCK_K):
-                xa_t, xb_t = _load_act_t(a_ptr, row_off, valid, k0, FMT == 1 and MANUAL, BLOCK_M, BLOCK_K)
-                w0, w1 = _load_weight_tile(wa_rows, sa_rows, k0, FMT, MANUAL, PTX_DECODE, BLOCK_N, BLOCK_K)
-                acc_a = _weight_dot(acc_a, w0, w1, xa_t, xb_t, FMT, MANUAL, UPCAST_DOT, BLOCK_K)
-                if GATE_UP:
-                    w0, w1 = _load_weight_tile(wb_rows, sb_rows, k0, FMT, MANUAL, PTX_DECODE, BLOCK_N, BLOCK_K)
-                    acc_b = _weight_dot(acc_b, w0, w1, xa_t, xb_t, FMT, MANUAL, UPCAST_DOT, BLOCK_K)
+            k_lo = (split * k_blocks // SPLITS) * BLOCK_K
+            k_hi = ((split + 1) * k_blocks // SPLITS) * BLOCK_K
+            if FMA:
+                # one pair at a time (BLOCK_M == 1), no tensor cores: the decoded weight tile times
+                # the row, elementwise, into [BLOCK_N, ACC_K] fp32 sums, summed over K at the end
+                sum_a = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
+                sum_b = tl.zeros((BLOCK_N, ACC_K), dtype=tl.float32)
+                for k0 in range(k_lo, k_hi, BLOCK_K):
+                    xa, xb = _load_act_row(a_ptr, row_off, valid, k0, FMT == 1, BLOCK_K)
+                    w0, w1 = _load_weight_tile(wa_rows, sa_rows, k0, FMT, True, PTX_DECODE, BLOCK_N, BLOCK_K)
+                    sum_a = _weight_fma(sum_a, w0, w1, xa, xb, FMT)
+                    if GATE_UP:
+                        w0, w1 = _load_weight_tile(wb_rows, sb_rows, k0, FMT, True, PTX_DECODE, BLOCK_N, BLOCK_K)
+                        sum_b = _weight_fma(sum_b, w0, w1, xa, xb, FMT)
+                acc_a = tl.sum(sum_a, axis=1)[:, None]
+                acc_b = tl.sum(sum_b, axis=1)[:, None]
+            else:
+                acc_a = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                acc_b = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for k0 in range(k_lo, k_hi, BLOCK_K):
+                    xa_t, xb_t = _load_act_t(a_ptr, row_off, valid, k0, FMT == 1 and MANUAL, BLOCK_M, BLOCK_K)
+                    w0, w1 = _load_weight_tile(wa_rows, sa_rows, k0, FMT, MANUAL, PTX_DECODE, BLOCK_N, BLOCK_K)
+                    acc_a = _weight_dot(acc_a, w0, w1, xa_t, xb_t, FMT, MANUAL, UPCAST_DOT, BLOCK_K)
+                    if GATE_UP:
+                        w0, w1 = _load_weight_tile(wb_rows, sb_rows, k0, FMT, MANUAL, PTX_DECODE, BLOCK_N, BLOCK_K)
+                        acc_b = _weight_dot(acc_b, w0, w1, xa_t, xb_t, FMT, MANUAL, UPCAST_DOT, BLOCK_K)
             store_ok = valid[:, None] & (rows_n < N)[None, :]
             if SPLITS > 1:
                 # fp32 partial sums; the finishing launch adds the splits in order
@@ -570,6 +620,10 @@ def _default_mma() -> str:
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) per launch; the interpreter uses small tiles (speed)
 _GPU_CONFIG = {"gate_up": (64, 128, 4, 3), "down": (64, 128, 4, 3)}
+# Token rows up to which the launches multiply on the CUDA cores, one pair at a time (``fma``),
+# and their tiles on the GPU
+FMA_MAX_TOKENS = 1
+_GPU_FMA_CONFIG = {"gate_up": (32, 256, 2, 1), "down": (16, 256, 2, 1)}
 _INTERPRET_CONFIG = {"gate_up": (32, 32, 1, 1), "down": (16, 32, 1, 1)}
 
 
@@ -603,6 +657,9 @@ def moe_experts_triton(
             else ``"manual"`` (the faster on an H200: `_default_mma`). Ignored for bf16 experts.
         config: per launch ``{"gate_up": (BLOCK_N, BLOCK_K, num_warps, num_stages), "down": (...),
             "block_m": 16}`` overrides (benchmarks sweep these); BLOCK_K is halved until it divides K.
+            ``fma`` (a bool; default: at most :data:`FMA_MAX_TOKENS` token rows) multiplies on the
+            CUDA cores, one pair at a time (``block_m`` 1), the weight tiles decoded as for
+            ``"manual"`` whatever `mma` says; without it the tiles go to ``tl.dot``.
             ``block_m`` (pairs of one expert per MMA, a power of 2) must be >= 16 on the GPU;
             ``ptx_decode`` (a bool; default: on the GPU) picks the inline-PTX fp4 decode for
             ``"manual"``; ``splits`` (``{"gate_up": S, "down": S}``, ints >= 1, capped at the
@@ -654,8 +711,11 @@ def moe_experts_triton(
     ids = ids if ids.is_contiguous() else ids.contiguous()
     rw = weights.reshape(-1).contiguous()
     fmt = _FORMATS[table.fmt]
-    defaults = _INTERPRET_CONFIG if interpret else _GPU_CONFIG
-    config = {**defaults, "splits": _default_splits(n_pairs, interpret), **(config or {})}
+    fma = (config or {}).get("fma", n_tokens <= FMA_MAX_TOKENS)
+    if not isinstance(fma, bool):
+        raise MoEExpertsError(f"fma must be a bool, got {fma!r}")
+    defaults = _INTERPRET_CONFIG if interpret else _GPU_FMA_CONFIG if fma else _GPU_CONFIG
+    config = {**defaults, "splits": _default_splits(n_pairs, interpret), "block_m": 1 if fma else 16, **(config or {})}
     splits = config["splits"]
     if (
         not isinstance(splits, Mapping)
@@ -663,8 +723,10 @@ def moe_experts_triton(
         or any(type(v) is not int or v < 1 for v in splits.values())  # bools are ints to isinstance
     ):
         raise MoEExpertsError(f"splits must map 'gate_up' and 'down' to ints >= 1, got {splits!r}")
-    block_m = config.get("block_m", 16)
-    if type(block_m) is not int or block_m < 1 or block_m & (block_m - 1) or (block_m < 16 and not interpret):
+    block_m = config["block_m"]
+    if fma and block_m != 1:
+        raise MoEExpertsError(f"the CUDA-core launches (fma) take one pair at a time: block_m must be 1, got {block_m!r}")
+    if type(block_m) is not int or block_m < 1 or block_m & (block_m - 1) or (block_m < 16 and not (interpret or fma)):
         raise MoEExpertsError(f"block_m must be a power of 2 (>= 16 on the GPU), got {block_m!r}")
     block_p = max(16, triton.next_power_of_2(n_pairs))
     # fp4-manual on the GPU: the inline-PTX decode (`dequant.fp4_pairs_to_bf16_ptx`); False keeps
@@ -710,7 +772,7 @@ def moe_experts_triton(
             a, ids, rw, table.weight_base, scale_base, table.offsets, out_t if n_split == 1 else parts,
             n_pairs, table.n_experts, n, k, a.stride(0), w_row, s_row, float(table.swiglu_limit),
             GATE_UP=gate_up, BLOCK_N=block_n, BLOCK_K=block_k, SPLITS=n_split, num_warps=warps,
-            num_stages=stages, **common,
+            num_stages=stages, FMA=fma, ACC_K=block_k // 2 if table.fmt == "fp4" else block_k, **common,
         )
         if n_split == 1:
             return out_t, 1
