@@ -12,8 +12,9 @@ checkpoint's storage), at T token rows (default 1 and 8). Per T:
 - GB/s: expert bytes read (distinct experts x (w1 + w3 + w2 codes + e8m0 scales)) per second;
 - the whole MoE forward (router + routed + shared expert) eager, kernel path vs grouped path.
 
-The kernel rows: ``mma`` scaled, manual with the portable fp4 decode (``ptx_decode`` False) and
-manual with the inline-PTX decode (the default on the GPU). ``--sweep`` also times other tilings of
+The kernel rows: the ``tl.dot`` launches with ``mma`` scaled, manual with the portable fp4 decode
+(``ptx_decode`` False) and manual with the inline-PTX decode (the default on the GPU above one
+token row), then the CUDA-core launches (``fma``, the default at one row). ``--sweep`` also times other tilings of
 the gate-up and down launches (a few minutes; split-K as the defaults pick it), ``--split-sweep``
 the split-K counts of both launches at the default tiling.
 
@@ -152,8 +153,10 @@ def bench_tokens(moe, n_tokens: int, device, sweep: bool, split_sweep: bool = Fa
             apply_numerics(moe, plan)
         routes = disjoint_routes(moe, n_tokens, GRAPH_CALLS, device)
         graph_bytes = sum(expert_bytes(moe, int(ids.unique().numel())) for ids, _ in routes) / len(routes)
-        variants = [("scaled", "scaled", {}), ("manual, portable decode", "manual", {"ptx_decode": False}),
-                    ("manual, PTX decode", "manual", {"ptx_decode": True})]
+        variants = [("scaled", "scaled", {"fma": False}),
+                    ("manual, portable decode", "manual", {"ptx_decode": False, "fma": False}),
+                    ("manual, PTX decode", "manual", {"ptx_decode": True, "fma": False}),
+                    ("CUDA cores, one pair at a time (fma)", "manual", {"fma": True})]
         for name, mma, cfg in variants:
             try:
                 out = kernels.moe_experts_triton(x, weights, indices, table, mma=mma, config=cfg)
@@ -204,10 +207,12 @@ def bench_tokens(moe, n_tokens: int, device, sweep: bool, split_sweep: bool = Fa
         results = []
         tiles = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((32, 64, 128), (128, 256), (4, 8), (2, 3, 4))
                  if not (bn == 128 and bk == 256)]
+        # the default launches' tilings: the CUDA-core ones at one row, the tl.dot ones above
+        defaults = kernels._GPU_FMA_CONFIG if n_tokens <= kernels.FMA_MAX_TOKENS else kernels._GPU_CONFIG
         for gate_up in tiles:  # the down tiling fixed at its default while the gate-up one varies, and back
-            results.append((gate_up, kernels._GPU_CONFIG["down"]))
+            results.append((gate_up, defaults["down"]))
         for down in tiles:
-            results.append((kernels._GPU_CONFIG["gate_up"], down))
+            results.append((defaults["gate_up"], down))
         timed = []
         for gate_up, down in results:
             cfg = {"gate_up": gate_up, "down": down}

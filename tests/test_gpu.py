@@ -1036,12 +1036,14 @@ def test_moe_expert_kernels_match_the_grouped_path(kind, tokens, monkeypatch):
             assert torch.equal(shared.dequantized_weight(backend="triton"), shared.dequantized_weight(backend="torch"))
 
 
+@pytest.mark.parametrize("fma", [False, True])
 @pytest.mark.parametrize("tokens", [1, 64])
-def test_moe_expert_decode_variants_agree(tokens, monkeypatch):
-    """Every variant of the compiled fp4 expert launches ("manual" MMA): the PTX and the portable
-    weight decode give the same bits at any split count (they decode to equal values in the same
-    layout), and split-K (module docstring: fp32 partial sums added in another order) stays as
-    close to the per-expert torch loop as no split. Scale bytes vary over 2^-8 .. 2^-5."""
+def test_moe_expert_decode_variants_agree(tokens, fma, monkeypatch):
+    """Every variant of the compiled fp4 expert launches ("manual" MMA, or the CUDA-core launches
+    with `fma`): the PTX and the portable weight decode give the same bits at any split count (they
+    decode to equal values in the same layout), and split-K (module docstring: fp32 partial sums
+    added in another order) stays as close to the per-expert torch loop as no split. Scale bytes
+    vary over 2^-8 .. 2^-5."""
     from deepseek_v41_vl.triton_ops import moe_experts as _moe_experts
 
     _require_compiled_triton()
@@ -1065,7 +1067,8 @@ def test_moe_expert_decode_variants_agree(tokens, monkeypatch):
         outs = {}
         for ptx in (True, False):
             for splits in ((1, 1), (4, 2)):
-                config = {"ptx_decode": ptx, "splits": {"gate_up": splits[0], "down": splits[1]}}
+                tiles = {"gate_up": (32, 128, 4, 1), "down": (16, 128, 4, 1)} if fma else {}  # K blocks of 128
+                config = {"ptx_decode": ptx, "splits": {"gate_up": splits[0], "down": splits[1]}, "fma": fma, **tiles}
                 outs[ptx, splits] = _moe_experts.moe_experts_triton(x, weights, indices, table, mma="manual", config=config)
     # the splits reached the launches: K = 512 / 256 in blocks of 128 take 4 / 2 splits
     assert len(finishes) == 2 and combined == [1, 2, 1, 2]
@@ -1073,7 +1076,7 @@ def test_moe_expert_decode_variants_agree(tokens, monkeypatch):
         assert torch.equal(outs[True, splits], outs[False, splits]), f"PTX vs portable decode at splits {splits}"
     for splits in ((1, 1), (4, 2)):
         out = outs[True, splits]
-        _METRICS[f"moe_experts/variants/{tokens}/splits{splits[0]}x{splits[1]}"] = {
+        _METRICS[f"moe_experts/variants/{tokens}/{'fma' if fma else 'dot'}/splits{splits[0]}x{splits[1]}"] = {
             "rel_l2": rel_l2(out, ref), "bitwise_fraction": (out == ref).float().mean().item()}
         assert rel_l2(out, ref) < 2e-3
         assert (out == ref).float().mean().item() >= 0.9
