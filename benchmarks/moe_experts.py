@@ -208,7 +208,7 @@ def bench_tokens(moe, n_tokens: int, device, sweep: bool, split_sweep: bool = Fa
         tiles = [(bn, bk, w, s) for bn, bk, w, s in itertools.product((32, 64, 128), (128, 256), (4, 8), (2, 3, 4))
                  if not (bn == 128 and bk == 256)]
         # the default launches' tilings: the CUDA-core ones at one row, the tl.dot ones above
-        defaults = kernels._GPU_FMA_CONFIG if n_tokens <= kernels.FMA_MAX_TOKENS else kernels._GPU_CONFIG
+        defaults = kernels.default_tiles(n_tokens <= kernels.FMA_MAX_TOKENS)
         for gate_up in tiles:  # the down tiling fixed at its default while the gate-up one varies, and back
             results.append((gate_up, defaults["down"]))
         for down in tiles:
@@ -245,7 +245,8 @@ def main() -> None:
     lines = [
         "# Routed MoE experts: kernels vs grouped path",
         f"\n{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}, triton {triton.__version__}; "
-        f"default tiling {kernels._GPU_CONFIG}, default mma {kernels._default_mma()!r}",
+        f"default tiling {kernels.default_tiles(False)} (tl.dot), {kernels.default_tiles(True)} (one row, CUDA cores), "
+        f"default mma {kernels._default_mma()!r}",
     ]
     print("\n".join(lines), flush=True)
     moe = build_moe(device)

@@ -348,12 +348,13 @@ class DeepseekV41MoE(nn.Module):
         pairs = torch.empty(x.size(0), self.gate.top_k, device="meta")
         return use_moe_experts_kernel(x, pairs, self.routed_weight_dtype, self.numerics.backend("moe_experts", device))
 
-    def _routed_kernels(self, x, weights, indices, shared) -> torch.Tensor:
+    def _routed_kernels(self, x, weights, indices, shared, config: dict | None = None) -> torch.Tensor:
         # bf16 [T, D], the shared expert's output added by the combine launch; no host sync: the
         # expert table is built on the first call (and after moves); the quantized-weight
         # multiply ("scaled" / "manual") is the plan's, read once with it
         mma = self.numerics.option("moe_experts_mma")
-        return moe_experts_triton(x, weights, indices, self.expert_tables.get(self.experts), mma=mma, shared=shared)
+        return moe_experts_triton(x, weights, indices, self.expert_tables.get(self.experts), mma=mma, shared=shared,
+                                  config=config)
 
     def forward(self, hidden_states: torch.Tensor, image_rows: torch.Tensor | None = None, aside: Callable = in_line) -> torch.Tensor:
         """Apply the MoE FFN.
@@ -405,7 +406,9 @@ class DeepseekV41MoE(nn.Module):
             out = self._routed_exact(x, weights, indices)
         elif kernels:
             local = self.shard.local_routes(weights, indices, self.expert_offset, len(self.experts))
-            out = self._routed_kernels(x, *local, None)
+            # the other ranks' slots all land on local expert 0: the tl.dot launches read its
+            # weights once for up to 16 of them, the one-row CUDA-core launches once per slot
+            out = self._routed_kernels(x, *local, None, config={"fma": False})
         else:
             out = self._routed_grouped(x, weights, indices)
         if self.shared_sharded:

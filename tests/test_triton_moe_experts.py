@@ -146,6 +146,39 @@ def test_cuda_core_launches_match_module_math(fmt, n_tokens, splits):
     _assert_close_to_module_math(out, ref)
 
 
+class _GemmLaunches:
+    """Records the (FMA, BLOCK_M) of each launch of the expert GEMM kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.kinds = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.kinds.append((kwargs["FMA"], kwargs["BLOCK_M"]))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("n_tokens,config,fma", [
+    (1, {}, True),  # the default at one row
+    (2, {}, False),
+    (1, {"block_m": 16}, False),  # a tl.dot tile asked for
+    (1, {"fma": False}, False),
+    (3, {"fma": True}, True),
+])
+def test_the_launch_kind_reaches_the_kernel(n_tokens, config, fma, monkeypatch):
+    interpreted = moe_experts._kernels_interpreted()
+    monkeypatch.setattr(moe_experts, "_kernels_interpreted", lambda: interpreted)  # it reads the kernel's type
+    spy = _GemmLaunches(moe_experts._moe_expert_gemm_kernel)
+    monkeypatch.setattr(moe_experts, "_moe_expert_gemm_kernel", spy)
+    moe = _tiny_moe("fp4", 1.0, seed=21)
+    x = _inputs(n_tokens, seed=22).reshape(-1, HIDDEN)
+    with torch.inference_mode():
+        weights, indices = moe.gate(x)
+        moe_experts.moe_experts_triton(x, weights, indices, moe.expert_tables.get(moe.experts), config=config)
+    assert spy.kinds == [(fma, 1 if fma else 16)] * 2  # gate-up and down
+
+
 class _LaunchCount:
     """Counts the launches of a Triton kernel (``kernel[grid](...)``)."""
 

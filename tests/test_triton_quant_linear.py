@@ -103,7 +103,7 @@ def _random_weight(n: int, k: int, kind: str, g: torch.Generator):
     return weight, scale
 
 
-CASES = [  # kind, m, n, k, launch config (None: the default, 128 features per program)
+CASES = [  # kind, m, n, k, launch config (None: the default, `default_config`: the GEMV at one row)
     ("fp8", 1, 40, 64, None),
     ("fp8", 3, 40, 96, QuantLinearConfig(block_n=16, split_k=2, groups_per_iter=1)),  # a scale row spans 2 programs
     ("fp8", 3, 40, 384, QuantLinearConfig(block_n=16, split_k=3, groups_per_iter=4)),  # 3 ranges of one 4-group tile
@@ -198,12 +198,66 @@ def test_split_k_is_deterministic_and_matches_unsplit():
     assert not quant_linear._TILE_COUNTERS[("cpu", None, None)].any()
 
 
-def test_split_k_tile_limit():
-    x = torch.zeros(1, 256, dtype=torch.bfloat16)
-    weight = torch.zeros(16 * (quant_linear.MAX_SPLIT_TILES + 1), 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+@pytest.mark.parametrize("gemv", [False, True])
+def test_split_k_tile_limit(gemv):
+    # the GEMV's tiles are N / block_n per row: two rows of half the features reach the limit too
+    rows, blocks = (2, quant_linear.MAX_SPLIT_TILES // 2 + 1) if gemv else (1, quant_linear.MAX_SPLIT_TILES + 1)
+    x = torch.zeros(rows, 256, dtype=torch.bfloat16)
+    weight = torch.zeros(16 * blocks, 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     scale = torch.full((-(-weight.size(0) // 32), 8), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
     with pytest.raises(QuantLinearError, match="output tiles"):
-        quantized_linear_triton(x, weight, scale, "fp8", config=QuantLinearConfig(block_n=16, split_k=2))
+        quantized_linear_triton(x, weight, scale, "fp8", config=QuantLinearConfig(block_n=16, split_k=2, gemv=gemv))
+
+
+def test_gemv_row_limit():
+    x = torch.zeros(65536, 32, dtype=torch.bfloat16)
+    weight = torch.zeros(16, 32, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scale = torch.full((1, 1), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    with pytest.raises(QuantLinearError, match="at most 65535 rows"):
+        quantized_linear_triton(x, weight, scale, "fp8", config=QuantLinearConfig(block_n=16, gemv=True))
+
+
+@pytest.mark.parametrize("kind,m,n,k,gemv", [
+    ("fp4", 1, 2304, 5120, True),
+    ("fp4", 1, 5120, 2304, True),
+    ("fp8", 1, 1280, 5120, True),
+    ("fp8", 1, 4096, 4096, True),  # 16M weights: the largest fp8 weight on the GEMV
+    ("fp8", 1, 4096, 4128, False),
+    ("fp8", 1, 32768, 1280, False),
+    ("fp4", 2, 2304, 5120, False),
+    ("fp8", 2, 512, 5120, False),
+])
+def test_default_config_picks_the_kernel(kind, m, n, k, gemv):
+    config = quant_linear.default_config(m, n, k, kind, torch.device("cpu"))
+    assert config.gemv == gemv
+    assert config.block_n == (16 if gemv else 128)
+    assert quant_linear.default_config(m, n, k, kind, torch.device("cpu"), gemv=not gemv).gemv == (not gemv)
+    with pytest.raises(QuantLinearError, match="weight_dtype"):
+        quant_linear.default_config(m, n, k, "fp6", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("m,launched", [(1, "_quant_gemv_kernel"), (2, "_quant_linear_kernel")])
+def test_the_chosen_kernel_is_the_one_launched(m, launched, monkeypatch):
+    # a config's kernel reaches the launch (the two kernels give close results, so the values
+    # alone would not tell a GEMV config that fell back to the tile kernel)
+    calls = []
+    interpreted = quant_linear._kernel_is_interpreted()
+    monkeypatch.setattr(quant_linear, "_kernel_is_interpreted", lambda: interpreted)  # it reads a kernel's type
+    for name in ("_quant_gemv_kernel", "_quant_linear_kernel"):
+        kernel = getattr(quant_linear, name)
+
+        class _Spy:
+            def __getitem__(self, grid, name=name, kernel=kernel):
+                calls.append((name, grid))
+                return kernel[grid]
+
+        monkeypatch.setattr(quant_linear, name, _Spy())
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(m, 64, generator=g)).to(torch.bfloat16)
+    weight, scale = _random_weight(40, 64, "fp4", g)
+    quantized_linear_triton(x, weight, scale, "fp4")
+    assert [c[0] for c in calls] == [launched]
+    assert calls[0][1][2] == (m if launched == "_quant_gemv_kernel" else 1)  # the rows' grid axis
 
 
 def test_leading_dims_and_int8_fp4_view():
@@ -325,7 +379,7 @@ def test_e4m3_rounding_helper_exhaustive():
     assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
 
 
-@pytest.mark.parametrize("kind,m,n,k,config", [CASES[0], CASES[2], CASES[6]])
+@pytest.mark.parametrize("kind,m,n,k,config", [CASES[0], CASES[2], CASES[6], CASES[9], CASES[11]])
 def test_fp32_output_is_the_sums_before_rounding(kind, m, n, k, config):
     """``out_dtype=torch.float32`` (a row-parallel rank's share, `DeepseekV41Linear.partial`):
     with one exact product per output the fp32 sums are that product, and rounded to bf16 they

@@ -55,14 +55,15 @@ program storing fp32 partial sums ``[S, P, parts, N]``; a finishing launch adds 
 partials in split order and runs the same epilogue (`_gate_up_epilogue`), and the combine launch
 adds the down partials in split order and rounds each y to bf16 before the slot sum. Still
 deterministic; the fp32 sums are taken in another order than without splits, and since the split
-counts follow the number of pairs, a row decoded alone may round a bf16 bit apart from the same
-row in a larger batch.
+counts (and the launch kind, below) follow the number of pairs, a row decoded alone may round a
+bf16 bit apart from the same row in a larger batch.
 
 **One token row** (``fma``, the default up to :data:`FMA_MAX_TOKENS` rows): a 16-pair MMA tile
 would be nearly all padding; the gate-up and down programs instead take their expert's pairs one
 at a time and multiply the decoded weight tile by the pair's row elementwise on the CUDA cores
 (the same exact fp32 products), into an fp32 tile summed over K after the loop. Same grids,
-split-K and epilogues.
+split-K and epilogues. Many pairs on one expert are the tl.dot launches' case: they read each
+weight tile once for up to ``BLOCK_M`` of them, these once per pair.
 
 Two ways to multiply by quantized weights (``mma``): ``"scaled"`` hands the packed fp4 / fp8 bytes
 and e8m0 scales to ``tl.dot_scaled`` (Triton's own upcast to bf16, then a bf16 MMA); ``"manual"``
@@ -122,6 +123,7 @@ __all__ = [
     "MoEExpertsError",
     "build_expert_table",
     "combine_slots",
+    "default_tiles",
     "expert_table_key",
     "moe_experts",
     "moe_experts_torch",
@@ -629,6 +631,12 @@ _GPU_FMA_CONFIG = {"gate_up": (32, 256, 4, 1), "down": (16, 256, 2, 1)}
 _INTERPRET_CONFIG = {"gate_up": (32, 32, 1, 1), "down": (16, 32, 1, 1)}
 
 
+def default_tiles(fma: bool, interpret: bool = False) -> dict:
+    """The launches' default ``{"gate_up": (BLOCK_N, BLOCK_K, num_warps, num_stages), "down": ...}``:
+    the CUDA-core ones (`fma`) or the tl.dot ones on the GPU, small tiles in the interpreter."""
+    return _INTERPRET_CONFIG if interpret else _GPU_FMA_CONFIG if fma else _GPU_CONFIG
+
+
 def _block_k(k: int, want: int) -> int:
     block = want
     while k % block:
@@ -659,12 +667,13 @@ def moe_experts_triton(
             else ``"manual"`` (the faster on an H200: `_default_mma`). Ignored for bf16 experts.
         config: per launch ``{"gate_up": (BLOCK_N, BLOCK_K, num_warps, num_stages), "down": (...),
             "block_m": 16}`` overrides (benchmarks sweep these); BLOCK_K is halved until it divides K.
-            ``fma`` (a bool; default: at most :data:`FMA_MAX_TOKENS` token rows) multiplies on the
+            ``fma`` (a bool; default: at most :data:`FMA_MAX_TOKENS` token rows and no
+            ``block_m`` above 1 given) multiplies on the
             CUDA cores, one pair at a time (``block_m`` 1), the weight tiles decoded as for
             ``"manual"`` whatever `mma` says; without it the tiles go to ``tl.dot``.
             ``block_m`` (pairs of one expert per MMA, a power of 2) must be >= 16 on the GPU;
             ``ptx_decode`` (a bool; default: on the GPU) picks the inline-PTX fp4 decode for
-            ``"manual"``; ``splits`` (``{"gate_up": S, "down": S}``, ints >= 1, capped at the
+            ``"manual"`` and ``fma``; ``splits`` (``{"gate_up": S, "down": S}``, ints >= 1, capped at the
             launch's K blocks; default `_default_splits`) splits each launch along K.
         shared: bf16 ``[T, D]`` or None: the shared expert's output, added by the combine launch
             (`MoE.forward`'s ``y += shared; y.to(bf16)`` in the same fp32 add and one rounding).
@@ -713,11 +722,12 @@ def moe_experts_triton(
     ids = ids if ids.is_contiguous() else ids.contiguous()
     rw = weights.reshape(-1).contiguous()
     fmt = _FORMATS[table.fmt]
-    fma = (config or {}).get("fma", n_tokens <= FMA_MAX_TOKENS)
+    given = config or {}
+    fma = given.get("fma", n_tokens <= FMA_MAX_TOKENS and given.get("block_m", 1) == 1)
     if not isinstance(fma, bool):
         raise MoEExpertsError(f"fma must be a bool, got {fma!r}")
-    defaults = _INTERPRET_CONFIG if interpret else _GPU_FMA_CONFIG if fma else _GPU_CONFIG
-    config = {**defaults, "splits": _default_splits(n_pairs, interpret), "block_m": 1 if fma else 16, **(config or {})}
+    config = {**default_tiles(fma, interpret), "splits": _default_splits(n_pairs, interpret),
+              "block_m": 1 if fma else 16, **given}
     splits = config["splits"]
     if (
         not isinstance(splits, Mapping)
@@ -810,8 +820,10 @@ def _checked_shared(shared: torch.Tensor, n_tokens: int, d: int, device: torch.d
 
 def _default_splits(n_pairs: int, interpret: bool) -> dict:
     # split-K of each launch (the K blocks shared out among more programs). Measured on an H200
-    # (benchmarks/moe_experts.py --split-sweep, CUDA graphs, release width, fp4): 6 pairs 0.124 ->
-    # 0.101 ms at (4, 2); 48 pairs 0.892 -> 0.880 at (2, 1); 384 pairs 6.67 -> 5.68 at (2, 1)
+    # (benchmarks/moe_experts.py --split-sweep, CUDA graphs, release width, fp4, the tl.dot
+    # launches): 6 pairs 0.124 -> 0.101 ms at (4, 2); 48 pairs 0.892 -> 0.880 at (2, 1); 384 pairs
+    # 6.67 -> 5.68 at (2, 1). The one-row CUDA-core launches on an H100 (before their gate-up
+    # tile's tuning): 96.7 us at (4, 2), 93.6 at the best of (2..8, 1..4), (8, 1)
     if interpret:
         return {"gate_up": 1, "down": 1}
     if n_pairs <= 16:

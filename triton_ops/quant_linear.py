@@ -58,9 +58,11 @@ call has compiled the kernel.
 One row (``QuantLinearConfig.gemv``, the default up to :data:`GEMV_MAX_ROWS` rows): a 16-row
 ``tl.dot`` tile would be 15/16 padding, and its weight operand a round trip through shared
 memory. `_quant_gemv_kernel`'s program ``(n_block, k_split, row)`` instead multiplies the decoded
-weight tile ``[BLOCK_N, G, 32]`` by the row's fake-quantized values elementwise on the CUDA cores
-(the same exact fp32 products), adds them into an fp32 tile of that shape and sums the tile once,
-after its K range; split-K and the final rounding are shared with the tile kernel.
+weight tile ``[BLOCK_N, G, 32]`` (fp4: the even and odd halves, ``[BLOCK_N, G, 16]`` each) by the
+row's fake-quantized values elementwise on the CUDA cores (the same exact fp32 products), adds them
+into an fp32 tile and sums the tile once, after its K range; split-K and the final rounding are
+shared with the tile kernel. The two kernels add the products in different orders, so a row
+computed alone can round one bf16 ulp apart from the same row among 2-16 rows.
 """
 
 from __future__ import annotations
@@ -100,6 +102,7 @@ _GEMV_DEFAULTS = {
     "fp4": {"block_n": 16, "groups_per_iter": 8, "num_warps": 2, "num_stages": 1},
 }
 _GEMV_PROGRAMS_PER_SM = 8
+_MAX_GRID_ROWS = 65535  # the GEMV's rows are grid axis 2
 _MIN_GROUPS_PER_SPLIT = 4
 # output tiles a split launch may have: one int32 counter each, per device
 MAX_SPLIT_TILES = 4096
@@ -121,11 +124,11 @@ class QuantLinearConfig:
         split_k: K ranges computed by separate programs, >= 1 (reduced to the number of non-empty
             ranges); the last program of an output tile to finish adds them in range order. A
             split launch may have at most :data:`MAX_SPLIT_TILES` output tiles (N / block_n x
-            M / 16).
+            M / 16, or M with ``gemv``).
         num_warps, num_stages: passed to the launch (num_stages: software-pipelining depth).
         gemv: one program per activation row, products summed on the CUDA cores
-            (`_quant_gemv_kernel`) instead of 16-row ``tl.dot`` tiles: for one or two rows, where
-            the tiles would be mostly padding.
+            (`_quant_gemv_kernel`) instead of 16-row ``tl.dot`` tiles, which at one row are
+            mostly padding. At most 65535 rows (a grid axis).
     """
 
     block_n: int = 128
@@ -390,7 +393,8 @@ if triton is not None:
         OUT_FP32: tl.constexpr,
     ):
         # program (n_block, k_split, row): one activation row, no tensor cores. Each loop step
-        # multiplies the dequantized weight tile [BLOCK_N, G, 32] by the row's fake-quantized
+        # multiplies the dequantized weight tile [BLOCK_N, G, 32] (fp4: its even and odd halves,
+        # [BLOCK_N, G, 16] each) by the row's fake-quantized
         # values elementwise (exact fp32 products) and adds them into a tile of fp32 sums of the
         # same shape; the tile is summed once, after the loop
         pid_n = tl.program_id(0)
@@ -457,6 +461,11 @@ def _tile_counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
+def _row_blocks(m: int, gemv: bool) -> int:
+    # programs along the rows: one per row for the GEMV, one per 16 rows for the tile kernel
+    return m if gemv else triton.cdiv(m, _BLOCK_M)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -477,16 +486,22 @@ def default_config(
 
     The CUDA-core GEMV (``gemv``; one row, fp4 weights or fp8 ones of at most
     :data:`GEMV_MAX_FP8_WEIGHT` elements): 16 features per program, 4 (fp8) or 8 (fp4) groups
-    per loop step, K split to about eight programs per SM: (1280, 5120) 80 x 14; (512, 5120)
-    32 x 33; (2304, 5120) 144 x 8; (5120, 2304) 320 x 4.
+    per loop step, K split for about eight programs per SM; the ranges launched (each a whole
+    number of loop steps): fp8 (1280, 5120) 80 x 14, (512, 5120) 32 x 20, (2304, 5120) 144 x 8,
+    (5120, 2304) 320 x 4; fp4 (2304, 5120) 144 x 7, (5120, 2304) 320 x 3.
+
+    Raises:
+        QuantLinearError: an unknown `weight_dtype`.
     """
+    if weight_dtype not in _WEIGHT_FORMATS:
+        raise QuantLinearError(f"weight_dtype must be one of {_WEIGHT_FORMATS}, got {weight_dtype!r}")
     gemv = overrides.get("gemv", m <= GEMV_MAX_ROWS and (weight_dtype == "fp4" or n * k <= GEMV_MAX_FP8_WEIGHT))
     fields = {**(_GEMV_DEFAULTS[weight_dtype] if gemv else {}), **overrides, "gemv": gemv}
     block_n = fields.get("block_n", QuantLinearConfig.block_n)
     sms = 1  # the interpreter: a couple of programs
     if device.type == "cuda":
         sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    tiles = triton.cdiv(n, block_n) * (m if gemv else triton.cdiv(m, _BLOCK_M))
+    tiles = triton.cdiv(n, block_n) * _row_blocks(m, gemv)
     target = (_GEMV_PROGRAMS_PER_SM if gemv else _PROGRAMS_PER_SM) * sms
     split = 1
     if tiles < target:
@@ -580,7 +595,7 @@ def quantized_linear_triton(
     Raises:
         QuantLinearError: wrong dtypes or shapes, K not a multiple of 32, tensors on different
             devices or not contiguous along K, a bad config (a split launch over more than
-            :data:`MAX_SPLIT_TILES` output tiles), Triton missing, or CPU tensors outside Triton's
+            :data:`MAX_SPLIT_TILES` output tiles, ``gemv`` over more than 65535 rows), Triton missing, or CPU tensors outside Triton's
             interpreter (``TRITON_INTERPRET=1`` before this module is imported).
     """
     n, k = _check_args(x, weight, scale, weight_dtype)
@@ -610,7 +625,9 @@ def quantized_linear_triton(
     step = config.groups_per_iter
     groups_per_split = triton.cdiv(triton.cdiv(groups, config.split_k), step) * step
     n_splits = triton.cdiv(groups, groups_per_split)
-    grid = (triton.cdiv(n, config.block_n), n_splits, m if config.gemv else triton.cdiv(m, _BLOCK_M))
+    if config.gemv and m > _MAX_GRID_ROWS:
+        raise QuantLinearError(f"the one-row kernel (gemv) takes at most {_MAX_GRID_ROWS} rows, got {m}")
+    grid = (triton.cdiv(n, config.block_n), n_splits, _row_blocks(m, config.gemv))
     split = n_splits > 1
     if split:
         if grid[0] * grid[2] > MAX_SPLIT_TILES:
@@ -643,6 +660,7 @@ def quantized_linear_triton(
 
 __all__ = [
     "ENV_BACKEND",
+    "GEMV_MAX_FP8_WEIGHT",
     "GEMV_MAX_ROWS",
     "GROUP",
     "MAX_SPLIT_TILES",
