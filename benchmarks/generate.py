@@ -12,8 +12,9 @@ directly on the device, made to fit one GPU in two ways that keep the work per t
 
 Then every case runs through the public path, ``processor.apply_chat_template(...)`` ->
 ``model.generate(...)`` (greedy, ``min_new_tokens`` = ``max_new_tokens`` so EOS cannot end a run
-early); decode ms/token is ``(T(n) - T(1)) / (n - 1)``, the time of an n-token generate minus a
-1-token one, after a warm-up of each shape. Beside it: the model's own forward in a loop
+early); decode ms/token is taken inside each n-token generate, from its first new token to its
+last (a streamer notes the host time of each token, `TokenClock`), median over the calls, after a
+warm-up of each shape; time to first token is a 1-token generate. Beside it: the model's own forward in a loop
 (prefill, then one token per call on the same cache: no generate), the step time generate would
 have at no cost of its own.
 
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -93,10 +95,31 @@ def chat_inputs(processor, prompts: list[tuple[str, list[Path]]], device):
 
 
 @torch.no_grad()
-def timed_generate(model, inputs, new_tokens: int, device) -> float:
+class TokenClock(BaseStreamer):
+    """A streamer that notes the host time of each `put` generate() makes: the prompt first, then
+    every new token, right after the step that made it (generate copies the token to the host for
+    the streamer, and reads its stopping flag from the device at every step anyway)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def per_token(self) -> float:
+        """Seconds a token, from the first new token to the last (the prefill left out)."""
+        if len(self.times) < 3:
+            raise ValueError(f"{len(self.times) - 1} new tokens noted: a per-token time needs at least 2")
+        return (self.times[-1] - self.times[1]) / (len(self.times) - 2)
+
+
+def timed_generate(model, inputs, new_tokens: int, device, streamer=None) -> float:
     sync(device)
     start = time.perf_counter()
-    model.generate(**inputs, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    model.generate(**inputs, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=streamer)
     sync(device)
     return time.perf_counter() - start
 
@@ -147,14 +170,19 @@ def decode_case(model, inputs, steps: int, device, reps: int) -> dict:
     graphs captured during the timed calls of `steps` tokens (after a warm-up call: 0 when the
     static cache generate keeps on the model, and the step graph captured on it, serve them all).
     generate() keeps one cache, of the call's length: the 1-token calls come first, with their
-    own warm-up, so that the `steps`-token ones find theirs."""
+    own warm-up, so that the `steps`-token ones find theirs. The decode time is taken inside each
+    `steps`-token call, from its first new token to its last (`TokenClock`), median over the
+    calls: it does not subtract two separately timed calls, whose prefills vary by more than the
+    difference sought."""
     timed_generate(model, inputs, 1, device)  # warm-up: the prefill of this shape
     first = statistics.median(timed_generate(model, inputs, 1, device) for _ in range(reps))
     timed_generate(model, inputs, steps, device)  # warm-up: the kept cache of this length, its graph
     before = graph_captures(model)
-    whole = statistics.median(timed_generate(model, inputs, steps, device) for _ in range(reps))
+    clocks = [TokenClock() for _ in range(reps)]
+    for clock in clocks:
+        timed_generate(model, inputs, steps, device, streamer=clock)
     batch = inputs["input_ids"].shape[0]
-    per_token = (whole - first) / (steps - 1)
+    per_token = statistics.median(clock.per_token() for clock in clocks)
     return {"batch": batch, "prompt": inputs["input_ids"].shape[1], "ttft_s": first,
             "decode_ms": 1e3 * per_token, "tok_s": batch / per_token, "captures": graph_captures(model) - before}
 
