@@ -710,12 +710,17 @@ def moe_experts_triton(
             f"{n_pairs} (token, slot) pairs: the kernels are for decode-sized calls (<= {KERNEL_MAX_PAIRS})"
         )
     d, inter = table.hidden_size, table.intermediate_size
-    pending = shared if hasattr(shared, "join") else None  # joined right before the combine launch
-    if shared is not None and pending is None:
+    if shared is not None and not hasattr(shared, "join"):  # a tensor: checked before any launch
         shared = _checked_shared(shared, n_tokens, d, x.device)
+
+    def shared_now():  # the shared output, a handle joined right before the combine launch
+        if hasattr(shared, "join"):
+            return _checked_shared(shared.join(), n_tokens, d, x.device)
+        return shared
+
     out = torch.empty(n_tokens, d, dtype=torch.float32 if shared is None else torch.bfloat16, device=x.device)
     if n_pairs == 0:
-        return out if shared is None else out.copy_(_checked_shared(pending.join(), n_tokens, d, x.device) if pending else shared)
+        return out if shared is None else out.copy_(shared_now())
     if x.stride(1) != 1:
         x = x.contiguous()
     ids = indices.reshape(-1)
@@ -805,9 +810,7 @@ def moe_experts_triton(
         x = xq
     h, _ = launch(True, x, inter, d)
     y, y_splits = launch(False, h, d, inter)
-    if pending is not None:
-        shared = _checked_shared(pending.join(), n_tokens, d, x.device)
-    return _combine(y, ids, n_tokens, top_k, out, y_splits, shared)
+    return _combine(y, ids, n_tokens, top_k, out, y_splits, shared_now())
 
 
 def _checked_shared(shared: torch.Tensor, n_tokens: int, d: int, device: torch.device) -> torch.Tensor:
