@@ -69,6 +69,8 @@ from torch import nn
 
 from ..triton_ops.sparse_attention import SPARSE_ATTN_BLOCK
 from ..triton_ops.sparse_attention import sparse_attention as sparse_attention_op
+from ..triton_ops.window_kv import kernel_runs as window_kv_row_runs
+from ..triton_ops.window_kv import window_kv_row_triton
 from .attention_state_deepseek_v41_vl import (
     DeepseekV41AttentionState,
     DeepseekV41DecodeStep,
@@ -163,9 +165,27 @@ class DeepseekV41Attention(nn.Module):
     def window_kv_rows(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """This forward's window KV rows: ``wkv`` -> ``kv_norm`` -> RoPE -> fp8 fake-quant, bf16
         ``[B, S, head_dim]``."""
-        kv = self.kv_norm(self.wkv(x))
+        return self._finish_kv(self.wkv(x), freqs)
+
+    def _finish_kv(self, kv: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        kv = self.kv_norm(kv)
         kv = apply_rotary(kv, freqs, backend=self.numerics.backend("rope", kv.device))
         return fake_quant_fp8(kv, backend=self.numerics.backend("fake_quant", kv.device))
+
+    def _write_window_row(self, x: torch.Tensor, freqs: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor) -> None:
+        """A one-token step's :meth:`window_kv_rows` written into `ring` at `slot`: where the plan
+        runs the norm, RoPE and fake-quant kernels, one launch after ``wkv`` does all three and the
+        write (`triton_ops/window_kv.py`, the same bits), else those ops and an index copy."""
+        kv = self.wkv(x)
+        plan = self.numerics
+        if (
+            self.kv_norm.takes_kernel(kv)
+            and plan.backend("rope", kv.device) == plan.backend("fake_quant", kv.device) == "triton"
+            and window_kv_row_runs(kv, self.kv_norm.weight, freqs, ring)
+        ):
+            window_kv_row_triton(kv, self.kv_norm.weight, self.kv_norm.eps, freqs, ring, slot)
+        else:
+            ring.index_copy_(1, slot, self._finish_kv(kv, freqs))
 
     def _compressed_row(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """A compressed-KV row of pre-RoPE latents: RoPE at `freqs`, then fp4 fake-quant."""
@@ -363,11 +383,10 @@ class DeepseekV41Attention(nn.Module):
             step.topk_idxs[self.layer_id] = topk_idxs
             if blocks is not None:
                 step.candidate_blocks = blocks
-        else:
-            topk_idxs = step.topk_idxs[self.index_source]
+        source = self.layer_id if self.is_index_source else self.index_source
         compressed = step.cache.layer(self.kv_source).compressed_kv.storage(width)
         # the window ring's rows, then the compressed ones, each read where it lies
-        return self._sparse(q, own.window_kv, torch.cat([window_idxs, topk_idxs], dim=-1), kv_tail=compressed)
+        return self._sparse(q, own.window_kv, step.attended_idxs(self.window, source), kv_tail=compressed)
 
     def make_decode_rows(self, own) -> None:
         """Before a decode step: the row buffers this kv source writes (compressed KV, and index
@@ -386,7 +405,7 @@ class DeepseekV41Attention(nn.Module):
         and a kv source's compressor state, compressed row and index key, and `step.publisher`
         (in place); nothing the queries read. Run by `step.aside` (in a decode step's graph, on a
         side stream) and joined before anything reads them."""
-        own.window_kv.index_copy_(1, slot, self.window_kv_rows(x, freqs))
+        self._write_window_row(x, freqs, own.window_kv, slot)
         if self.ratio and self.is_kv_source:
             self._decode_compress(x, freqs, own, step)
 

@@ -221,6 +221,15 @@ class DeepseekV41DecodeStep:
             self._tables[key] = idxs
         return self._tables[key]
 
+    def attended_idxs(self, window: int, source: int) -> torch.Tensor:
+        """What a query of a layer with `window` and index source `source` reads: the ring's slots
+        (:meth:`window_idxs`), then the source's compressed picks (``topk_idxs[source]``), int32
+        ``[B, 1, window + k]``; built once per step for the layers that share both."""
+        key = ("attended", window, source)
+        if key not in self._tables:
+            self._tables[key] = torch.cat([self.window_idxs(window), self.topk_idxs[source]], dim=-1)
+        return self._tables[key]
+
     def published_keys(self, width: int) -> torch.Tensor:
         """The first `width` stored index keys of each row's publisher ``[B, width, Id]`` (rows
         without one: the first owner's; they see no compressed position)."""
