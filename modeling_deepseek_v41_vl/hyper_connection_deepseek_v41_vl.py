@@ -17,8 +17,9 @@ Sinkhorn as well, its second launch also runs the split + Sinkhorn, the same ops
 and the expand (`pre`, `post`, one launch each) of bf16 streams in fast numerics (`triton_ops/hc_mix.py`, the plan's
 ``hc_mix`` backend) unless autograd records them: the same products, summed in another order at
 most. Where the collapse's and its norm's kernels would both run, :meth:`pre_norm` runs them as
-one launch, and :meth:`post_mixes` the expand and the next mixes' projection as two launches
-instead of three (`triton_ops/hc_fused.py`): bit for bit the separate kernels.
+one launch, and :meth:`post_mixes`, run in line, the expand and the next mixes' projection as two
+launches instead of three (`triton_ops/hc_fused.py`): bit for bit the separate kernels. Beside a
+decode step's FFN (`aside`), the expand runs alone and all of the projection aside.
 """
 
 from __future__ import annotations
@@ -250,9 +251,11 @@ class DeepseekV41HyperConnection(nn.Module):
         """``x1 = self.post(f, residual, post, comb)`` and ``self.mixes(x1, fn, scale, base)``:
         the expand and the projection of the next sublayer's mixes from its output.
 
-        Where both take their kernels (:meth:`post`'s and :meth:`mixes`' conditions), the expand
-        and the projection's first launch are one (`hc_fused.hc_post_mixes_triton`), bit for bit
-        the separate kernels; otherwise the two calls.
+        Run in line, where both take their kernels (:meth:`post`'s and :meth:`mixes`'
+        conditions), the expand and the projection's first launch are one
+        (`hc_fused.hc_post_mixes_triton`), bit for bit the separate kernels; otherwise, and
+        always with another `aside`, the two calls: then all of the projection runs aside and
+        only the expand (which the FFN reads) stays on the caller's stream.
 
         Args:
             f, residual, post, comb: as :meth:`post`. fn, scale, base: as :meth:`mixes`.
@@ -272,12 +275,14 @@ class DeepseekV41HyperConnection(nn.Module):
         """
         self._check_stream(residual, "residual")
         self._check_fn(fn, residual, "residual")
-        if self._fused((residual, f), (post, comb)) and self._mixes_kernel_applies(residual, fn):
+        if aside is in_line and self._fused((residual, f), (post, comb)) and self._mixes_kernel_applies(residual, fn):
             if self.numerics.backend("hc_sinkhorn", residual.device) == "triton":
                 sinkhorn = (scale, base, self.sinkhorn_iters, self.hc_eps)
-                return hc_post_mixes_triton(f, residual, post, comb, fn, self.norm_eps, sinkhorn, aside=aside)
+                return hc_post_mixes_triton(f, residual, post, comb, fn, self.norm_eps, sinkhorn, aside=in_line)
             x1, m = hc_post_mixes_triton(f, residual, post, comb, fn, self.norm_eps)
-            return x1, aside(hc_split_sinkhorn, m, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps)
+            return x1, in_line(hc_split_sinkhorn, m, scale, base, self.hc_mult, self.sinkhorn_iters, self.hc_eps)
+        # beside the FFN, the projection's first launch (~10 us at one row on an H100) leaves the
+        # step's critical path: the FFN waits for the expand alone
         x1 = self.post(f, residual, post, comb)
         return x1, aside(self.mixes, x1, fn, scale, base)
 

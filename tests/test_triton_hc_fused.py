@@ -370,6 +370,19 @@ def test_post_mixes_takes_the_fused_launch_where_both_kernels_would_run(monkeypa
     _same_bits(x1, want_x1)
     for got, ref in zip(mixes.join(), want, strict=True):
         _same_bits(got, ref)
+    # another `aside` (a decode step's side stream): the expand alone here, all of the projection aside
+    calls.clear()
+    ran = []
+
+    def aside(fn, *args):
+        ran.append(fn)
+        return in_line(fn, *args)
+
+    x1, mixes = hc.post_mixes(f, x, post, comb, fn, scale, base, aside=aside)
+    assert calls == ["hc_post_triton"] and ran == [hc.mixes]
+    _same_bits(x1, want_x1)
+    for got, ref in zip(mixes.join(), want, strict=True):
+        _same_bits(got, ref)
     calls.clear()
     rows = hc_mix.MIXES_MAX_ROWS + 1  # past the projection kernels: the two calls
     hc.post_mixes(f[:, :1].expand(1, rows, 64), x[:, :1].expand(1, rows, 4, 64), post[:, :1].expand(1, rows, 4),
