@@ -114,7 +114,7 @@ def decode_model_step(
             step.aside.join_all()
     hidden = model.norm(model.hc.pre(x, pre_mix))
     taps = None if step.hidden_taps is None else gather_main_hidden(step.hidden_taps)
-    return model.head(hidden[:, -1]).unsqueeze(1), hidden, step.publisher, history, taps
+    return model.head.decode_logits(hidden[:, -1]).unsqueeze(1), hidden, step.publisher, history, taps
 
 
 def check_step_inputs(model, input_ids, mm_token_type_ids, attention_mask, cache: DeepseekV41Cache, read_back: bool) -> None:
@@ -382,7 +382,7 @@ class DeepseekV41DecodeRunner:
             before = segment.captures
             key = (
                 tuple(sorted(widths.items())), model.numerics, model.decode_identity, model.weights_epoch,
-                _StructureVersion.value, attention.epoch.value, main_hidden,
+                _StructureVersion.value, attention.epoch.value, main_hidden, model.head.decode_version,
             )
             logits, hidden, publisher, history, taps = segment(*args, key=key, context=(model, cache, widths, main_hidden))
             self.captures += segment.captures - before

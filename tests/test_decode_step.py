@@ -394,3 +394,28 @@ def test_the_work_a_step_runs_aside_is_read_only_after_its_join(fast, monkeypatc
     # output's mixes (the fused kernels' second launch where they run, the mixes themselves here)
     assert names == ["mixes", "_decode_keys", "mixes"] * (len(model.layers) * tokens.size(1))
     assert torch.equal(deferred, in_line)
+
+
+def test_the_heads_decode_logits_off_cuda_are_its_forward():
+    """`DeepseekV41Head.decode_logits` reads a bf16 copy of the weight on CUDA only (tests/test_gpu.py);
+    elsewhere it is `forward`, bit for bit, holding no copy. A held copy is dropped when the head
+    is moved or cast and is not pickled."""
+    import pickle
+
+    from deepseek_v41_vl.modeling.layers_deepseek_v41_vl import DeepseekV41Head
+
+    head = DeepseekV41Head(50, 16)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(50, 16).bfloat16().float())
+    x = torch.randn(3, 1, 16).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(head.decode_logits(x), head(x))
+    assert "_decode_copy" not in head.__dict__
+    head.__dict__["_decode_copy"] = (head.decode_version, head.weight.detach().bfloat16())
+    assert "_decode_copy" not in pickle.loads(pickle.dumps(head)).__dict__
+    head.to(torch.float32)
+    assert "_decode_copy" not in head.__dict__
+    version = head.decode_version
+    with torch.no_grad():
+        head.weight.mul_(2)
+    assert head.decode_version != version

@@ -1235,6 +1235,33 @@ def test_text_rope_kernel_agrees_with_the_torch_ops(inverse):
     assert apply_rotary_triton(same, freqs, inverse=inverse, inplace=True) is same and torch.equal(same, ours)
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_window_kv_row_fused_equals_the_four_launches(batch):
+    """The decode step's window-KV row in one launch (`triton_ops/window_kv.py`), compiled, at the
+    release's row (512 dims, 64 rotated) against the norm, RoPE and fake-quant kernels and the ring
+    write: bit for bit (the same jit bodies, the row handed between them through the slot after
+    barriers; the RoPE products rounded apart as the RoPE kernel's); the other slots untouched."""
+    from deepseek_v41_vl.modeling.rope_deepseek_v41_vl import DeepseekV41RotaryEmbedding
+    from deepseek_v41_vl.triton_ops.fake_quant import fake_quant_fp8_triton
+    from deepseek_v41_vl.triton_ops.rms_norm import rms_norm_triton
+    from deepseek_v41_vl.triton_ops.rope import apply_rotary_triton
+    from deepseek_v41_vl.triton_ops.window_kv import window_kv_row_triton
+
+    _require_compiled_triton()
+    gen = torch.Generator(device=CUDA).manual_seed(batch)
+    kv = (torch.randn(batch, 1, 512, generator=gen, device=CUDA) * 7).to(torch.bfloat16)
+    weight = (torch.rand(512, generator=gen, device=CUDA) * 2).to(torch.bfloat16)
+    positions = torch.randint(0, 70000, (batch, 1), generator=gen, device=CUDA)
+    freqs = DeepseekV41RotaryEmbedding(64, 10000.0, None)(positions)
+    ring = torch.randn(batch, 128, 512, generator=gen, device=CUDA).to(torch.bfloat16)
+    slot = torch.tensor([77], device=CUDA)
+    want = ring.clone()
+    want.index_copy_(1, slot, fake_quant_fp8_triton(apply_rotary_triton(rms_norm_triton(kv, weight, 1e-20), freqs)))
+    got = ring.clone()
+    window_kv_row_triton(kv, weight, 1e-20, freqs, got, slot)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("batch, seq", [(1, 1), (4, 1), (1, 2048)])
 def test_hc_mix_kernels_agree_with_the_torch_ops(batch, seq):
     """The mHC collapse / expand (`triton_ops/hc_mix.py`), compiled, against the torch ops of
@@ -1303,6 +1330,30 @@ def test_router_logits_in_fast_numerics_are_the_fp32_gemm_reordered():
         ours, ref = fast.router_logits(x), exact.router_logits(x)
     assert ours.dtype == torch.float32 and ours.shape == ref.shape
     assert ((ours - ref).abs() <= 1e-5 * ref.abs().amax(dim=-1, keepdim=True)).all()
+
+
+def test_head_decode_logits_read_an_exact_bf16_copy_and_follow_the_weight():
+    """`DeepseekV41Head.decode_logits` on CUDA at release width: with bf16-valued fp32 weights, the
+    fp32 GEMM's products summed in another order (a few fp32 ulps of the row's scale) from a bf16
+    copy; after an in-place change to values bf16 cannot hold, `forward` itself, bit for bit (no
+    copy), and the version a captured step keys on has changed."""
+    from deepseek_v41_vl.modeling.layers_deepseek_v41_vl import DeepseekV41Head
+
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    head = DeepseekV41Head(129280, 5120).to(CUDA)
+    with torch.no_grad():
+        head.weight.copy_((torch.randn(129280, 5120, generator=gen, device=CUDA) * 0.02).to(torch.bfloat16))
+        x = torch.randn(2, 1, 5120, generator=gen, device=CUDA).to(torch.bfloat16)
+        ref = head(x)
+        ours = head.decode_logits(x)
+        assert ours.dtype == torch.float32 and ours.shape == ref.shape
+        assert ((ours - ref).abs() <= 1e-5 * ref.abs().amax(dim=-1, keepdim=True)).all()
+        assert head.__dict__["_decode_copy"][1].dtype == torch.bfloat16
+        version = head.decode_version
+        head.weight[0, 0] += 1e-6  # no longer a bf16 value
+        assert head.decode_version != version
+        assert torch.equal(head.decode_logits(x), head(x))
+        assert head.__dict__["_decode_copy"][1] is None
 
 
 @pytest.mark.parametrize("weighted", [False, True])
