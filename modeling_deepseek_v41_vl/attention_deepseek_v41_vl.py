@@ -181,7 +181,7 @@ class DeepseekV41Attention(nn.Module):
         if (
             self.kv_norm.takes_kernel(kv)
             and plan.backend("rope", kv.device) == plan.backend("fake_quant", kv.device) == "triton"
-            and window_kv_row_runs(kv, self.kv_norm.weight, freqs, ring)
+            and window_kv_row_runs(kv, self.kv_norm.weight, freqs, ring, slot)
         ):
             window_kv_row_triton(kv, self.kv_norm.weight, self.kv_norm.eps, freqs, ring, slot)
         else:

@@ -173,7 +173,8 @@ class DeepseekV41DecodeStep:
             device's `cuda_graphs_deepseek_v41_vl.SideStream`, so that it overlaps; otherwise
             `in_line`.
             The step's tables (:meth:`freqs`, :meth:`window_slot`, :meth:`window_idxs`) are
-            built before a fork, on the current stream.
+            built before a fork, on the current stream; :meth:`attended_idxs` on it after the
+            keys' join (no side work reads it).
     """
 
     cache: DeepseekV41AttentionCache

@@ -23,10 +23,11 @@ forward hooks, autograd and models spread over several devices keep the layer-by
 
 In a CUDA graph each layer runs what its next part does not read on side streams, as branches of
 the graph (`DeepseekV41DecodeStep.aside`): the mHC mixes of the block input (projection and
-Sinkhorn, a latency chain of small launches) beside the attention, and the FFN's (the launch that
-finishes them and runs the Sinkhorn) beside the FFN, which read the previous sublayer's mixes
-instead; the attention's keys (window ring row, compressed row, index key) beside its queries;
-the shared expert beside the router and the routed experts. Run eagerly, the step does that work
+Sinkhorn, a latency chain of small launches) beside the attention, and the FFN's (all of their
+projection and Sinkhorn; only the expand the FFN reads stays on the step's stream) beside the
+FFN, which read the previous sublayer's mixes instead; the attention's keys (window ring row,
+compressed row, index key) beside its queries; the shared expert beside the router and the
+routed experts. Run eagerly, the step does that work
 in line: the same values, bit for bit.
 """
 

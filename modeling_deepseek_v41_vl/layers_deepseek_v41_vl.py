@@ -66,7 +66,8 @@ class DeepseekV41RMSNorm(nn.Module):
 
 
 class DeepseekV41Head(nn.Linear):
-    """Output projection, held and computed in fp32 (the checkpoint stores bf16). Untied.
+    """Output projection, held and computed in fp32 (the checkpoint stores bf16; a decode step of
+    the engine reads an exact bf16 copy instead, :meth:`decode_logits`). Untied.
 
     Mirrors `inference/model.py: ParallelHead` (one shard). Parameter: ``weight`` fp32 ``[V, D]``.
     An `nn.Linear` without bias, so transformers' `resize_token_embeddings` can resize it.
@@ -104,18 +105,19 @@ class DeepseekV41Head(nn.Linear):
         return logits if self.shard is None else self.shard.gather_last(logits)
 
     def decode_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` for a decode step in fast numerics: fp32 logits ``[..., V]`` of bf16 rows.
+        """:meth:`forward` for a decode step of the engine (fast numerics only: the engine runs no
+        other): fp32 logits ``[..., V]`` of bf16 rows.
 
         On CUDA, unsharded and outside autograd, while the fp32 weight holds bf16 values (the
         checkpoint's; fine-tuning in fp32 ends that), it reads a bf16 copy of the weight: one bf16
         GEMM with fp32 accumulation and output, the same exact products (a bf16 product is exact
-        in fp32) summed in another order, at half the bytes of the fp32 weight (0.84 -> ~0.42 ms
-        a token at release width on an H100). Elsewhere :meth:`forward`.
+        in fp32) summed in another order, at half the bytes of the fp32 weight (0.84 ms of fp32
+        reads a token at release width on an H100). Elsewhere :meth:`forward`.
 
-        The copy (``V x D`` bf16, held beside the weight) is made at the first call after the
-        weight changed (in place or replaced), with one device read to check that it is exact;
-        a CUDA graph's warm-up makes it before the capture, and a captured step keys on
-        :attr:`decode_version`.
+        The copy (``V x D`` bf16: 1.3 GB at release width, held beside the weight until the head
+        is moved or cast) is made at the first call after the weight changed (in place or
+        replaced), with one device read to check that it is exact; a CUDA graph's warm-up makes
+        it before the capture, and a captured step keys on :attr:`decode_version`.
         """
         copy = self._bf16_copy(hidden_states)
         if copy is None:
@@ -125,9 +127,12 @@ class DeepseekV41Head(nn.Linear):
 
     @property
     def decode_version(self) -> tuple:
-        """What :meth:`decode_logits`' copy was made from: the weight's storage and its in-place
-        version (a captured step that read the copy is stale once this changes)."""
-        return (self.weight.data_ptr(), self.weight._version)
+        """What :meth:`decode_logits`' copy was made from: the weight (object, storage, shape, its
+        in-place version) and the copies dropped so far (a captured step that read a copy is
+        stale once this changes)."""
+        weight = self.weight
+        version = None if weight.is_inference() else weight._version  # inference tensors keep none
+        return (id(weight), weight.data_ptr(), tuple(weight.shape), version, self.__dict__.get("_copies_dropped", 0))
 
     def _bf16_copy(self, x: torch.Tensor) -> torch.Tensor | None:
         weight = self.weight
@@ -137,6 +142,7 @@ class DeepseekV41Head(nn.Linear):
             and weight.dtype == torch.float32
             and weight.device == x.device
             and self.shard is None
+            and not weight.is_inference()  # no version to tell an in-place change by
             and not needs_grad(x, weight)
         ):
             return None
@@ -145,12 +151,19 @@ class DeepseekV41Head(nn.Linear):
         if held is None or held[0] != key:
             self.__dict__.pop("_decode_copy", None)  # the old copy freed before the new one is made
             copy = weight.detach().to(torch.bfloat16)
-            exact = bool(torch.equal(copy.float(), weight.detach()))  # one device read per weight change
+            inexact = torch.zeros((), dtype=torch.bool, device=weight.device)
+            for rows in range(0, weight.size(0), 8192):  # no fp32 copy of the whole weight
+                part = weight.detach()[rows : rows + 8192]
+                inexact |= (copy[rows : rows + 8192].float() != part).any()
+            exact = not bool(inexact)  # one device read per weight change
             held = self.__dict__["_decode_copy"] = (key, copy if exact else None)
         return held[1]
 
     def _apply(self, fn, *args, **kwargs):
-        self.__dict__.pop("_decode_copy", None)  # moved or cast: made again where it is next used
+        # moved or cast (even onto itself): the copy is made again where it is next used, and a
+        # step captured with the old one keys on a new version
+        if self.__dict__.pop("_decode_copy", None) is not None:
+            self.__dict__["_copies_dropped"] = self.__dict__.get("_copies_dropped", 0) + 1
         return super()._apply(fn, *args, **kwargs)
 
     def __getstate__(self):

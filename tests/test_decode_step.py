@@ -391,7 +391,7 @@ def test_the_work_a_step_runs_aside_is_read_only_after_its_join(fast, monkeypatc
     monkeypatch.setattr(engine, "in_line", later)
     deferred, _ = _decode(model, prompt, tokens, engine=True)
     # per layer and step: the block input's mixes, the attention's keys, then the attention
-    # output's mixes (the fused kernels' second launch where they run, the mixes themselves here)
+    # output's mixes (all of them aside: `post_mixes` takes its fused launch in line only)
     assert names == ["mixes", "_decode_keys", "mixes"] * (len(model.layers) * tokens.size(1))
     assert torch.equal(deferred, in_line)
 
@@ -413,9 +413,13 @@ def test_the_heads_decode_logits_off_cuda_are_its_forward():
     assert "_decode_copy" not in head.__dict__
     head.__dict__["_decode_copy"] = (head.decode_version, head.weight.detach().bfloat16())
     assert "_decode_copy" not in pickle.loads(pickle.dumps(head)).__dict__
-    head.to(torch.float32)
-    assert "_decode_copy" not in head.__dict__
+    version = head.decode_version
+    head.to(torch.float32)  # onto itself: the same storage, but the copy is gone
+    assert "_decode_copy" not in head.__dict__ and head.decode_version != version
     version = head.decode_version
     with torch.no_grad():
         head.weight.mul_(2)
     assert head.decode_version != version
+    with torch.inference_mode():
+        frozen = DeepseekV41Head(50, 16)
+    assert frozen.decode_version[3] is None  # an inference tensor keeps no version: never copied

@@ -1235,12 +1235,13 @@ def test_text_rope_kernel_agrees_with_the_torch_ops(inverse):
     assert apply_rotary_triton(same, freqs, inverse=inverse, inplace=True) is same and torch.equal(same, ours)
 
 
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("batch", [1, 256])
 def test_window_kv_row_fused_equals_the_four_launches(batch):
     """The decode step's window-KV row in one launch (`triton_ops/window_kv.py`), compiled, at the
     release's row (512 dims, 64 rotated) against the norm, RoPE and fake-quant kernels and the ring
     write: bit for bit (the same jit bodies, the row handed between them through the slot after
-    barriers; the RoPE products rounded apart as the RoPE kernel's); the other slots untouched."""
+    barriers; the RoPE products rounded apart as the RoPE kernel's), over rows whose values span
+    many binades (every rounding exercised) and several slots; the other slots untouched."""
     from deepseek_v41_vl.modeling.rope_deepseek_v41_vl import DeepseekV41RotaryEmbedding
     from deepseek_v41_vl.triton_ops.fake_quant import fake_quant_fp8_triton
     from deepseek_v41_vl.triton_ops.rms_norm import rms_norm_triton
@@ -1249,17 +1250,20 @@ def test_window_kv_row_fused_equals_the_four_launches(batch):
 
     _require_compiled_triton()
     gen = torch.Generator(device=CUDA).manual_seed(batch)
-    kv = (torch.randn(batch, 1, 512, generator=gen, device=CUDA) * 7).to(torch.bfloat16)
+    spread = torch.logspace(-6, 6, 512, device=CUDA)[torch.randperm(512, generator=gen, device=CUDA)]
+    kv = (torch.randn(batch, 1, 512, generator=gen, device=CUDA) * spread).to(torch.bfloat16)
     weight = (torch.rand(512, generator=gen, device=CUDA) * 2).to(torch.bfloat16)
     positions = torch.randint(0, 70000, (batch, 1), generator=gen, device=CUDA)
     freqs = DeepseekV41RotaryEmbedding(64, 10000.0, None)(positions)
     ring = torch.randn(batch, 128, 512, generator=gen, device=CUDA).to(torch.bfloat16)
-    slot = torch.tensor([77], device=CUDA)
-    want = ring.clone()
-    want.index_copy_(1, slot, fake_quant_fp8_triton(apply_rotary_triton(rms_norm_triton(kv, weight, 1e-20), freqs)))
-    got = ring.clone()
-    window_kv_row_triton(kv, weight, 1e-20, freqs, got, slot)
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    rows = fake_quant_fp8_triton(apply_rotary_triton(rms_norm_triton(kv, weight, 1e-20), freqs))
+    for at in (0, 77, 127):
+        slot = torch.tensor([at], device=CUDA)
+        want = ring.clone()
+        want.index_copy_(1, slot, rows)
+        got = ring.clone()
+        window_kv_row_triton(kv, weight, 1e-20, freqs, got, slot)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.parametrize("batch, seq", [(1, 1), (4, 1), (1, 2048)])

@@ -93,22 +93,54 @@ def test_a_zero_row_and_huge_values():
         (lambda a: a.update(slot=torch.tensor([1], dtype=torch.int32)), "int64"),
         (lambda a: a.update(slot=torch.tensor([1, 2])), "one int64"),
         (lambda a: a.update(ring=a["ring"].transpose(1, 2).contiguous().transpose(1, 2)), "contiguous"),
+        (lambda a: a.update(ring=a["ring"][:1].expand(2, 64, 64)), "expanded"),
+        (lambda a: a.update(slot=3), "slot must be a tensor"),
+        (lambda a: a.update(kv=None), "kv must be a tensor"),
+        (lambda a: a.update(kv=a["kv"].requires_grad_()), "no backward"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(change, message):
     kv, weight, freqs, ring = _inputs(2, 64, 16, 64, seed=3)
     args = {"kv": kv, "weight": weight, "freqs": freqs, "ring": ring, "slot": torch.tensor([1])}
     change(args)
-    with pytest.raises(WindowKVRowError, match=message):
+    with torch.enable_grad(), pytest.raises(WindowKVRowError, match=message):
         window_kv_row_triton(args["kv"], args["weight"], 1e-20, args["freqs"], args["ring"], args["slot"])
 
 
-def test_kernel_runs_needs_bf16_rows_of_whole_groups():
-    kv, weight, freqs, ring = _inputs(1, 64, 16, 4, seed=1)
-    assert window_kv.kernel_runs(kv, weight, freqs, ring)
-    assert not window_kv.kernel_runs(kv.float(), weight, freqs, ring)
-    assert not window_kv.kernel_runs(kv, weight.float(), freqs, ring)
-    assert not window_kv.kernel_runs(kv[..., :48], weight, freqs, ring)
+def test_kernel_runs_exactly_where_the_call_takes_its_arguments():
+    kv, weight, freqs, ring = _inputs(2, 64, 16, 4, seed=1)
+    slot = torch.tensor([1])
+    assert window_kv.kernel_runs(kv, weight, freqs, ring, slot)
+    rd24 = DeepseekV41RotaryEmbedding(24, 160000.0, YARN)(torch.tensor([[5], [9]]))  # rd not a power of two
+    for args in (
+        (kv.float(), weight, freqs, ring, slot),
+        (kv, weight.float(), freqs, ring, slot),
+        (kv[..., :48], weight[:48], freqs, ring[..., :48], slot),
+        (kv, weight, rd24, ring, slot),
+        (kv, weight, freqs, ring, 1),
+    ):
+        assert not window_kv.kernel_runs(*args)
+        with pytest.raises(WindowKVRowError):
+            window_kv_row_triton(args[0], args[1], 1e-20, *args[2:])
+
+
+def test_a_slot_outside_the_ring_writes_nothing():
+    kv, weight, freqs, ring = _inputs(2, 64, 16, 4, seed=2)
+    for slot in (-1, 4, 1 << 40):
+        got = ring.clone()
+        window_kv_row_triton(kv, weight, 1e-20, freqs, got, torch.tensor([slot]))
+        assert torch.equal(_bits(got), _bits(ring))
+
+
+def test_the_attention_falls_back_to_the_four_launches_for_a_rope_width_it_cannot_take(monkeypatch):
+    """A config whose rotated width is not a power of two (24 of 64 dims): the decode step's row
+    goes through the separate kernels, not an error."""
+    import deepseek_v41_vl.modeling.attention_deepseek_v41_vl as attention
+
+    calls = []
+    monkeypatch.setattr(attention, "window_kv_row_triton", lambda *a: calls.append(a))
+    kv, weight, freqs, ring = _inputs(2, 64, 24, 4, seed=4)
+    assert not attention.window_kv_row_runs(kv, weight, freqs, ring, torch.tensor([0]))
 
 
 def test_the_decode_step_writes_its_rows_through_the_fused_launch(golden, monkeypatch):

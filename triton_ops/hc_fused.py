@@ -171,9 +171,10 @@ def hc_post_mixes_triton(
         sinkhorn: ``(scale, base, iters, hc_eps)`` as :func:`hc_mix.hc_mixes_sinkhorn_triton`
             takes them, or None for the projection alone.
         aside: ``aside(fn, *args)``, how the second launch is run (by default called in line):
-            the decode step's CUDA graph passes one that runs it on a second stream and returns
-            a handle (`modeling/cuda_graphs_deepseek_v41_vl.py: SideStream`), so that it
-            overlaps the sublayer the caller runs next.
+            one that runs it on a second stream and returns a handle
+            (`modeling/cuda_graphs_deepseek_v41_vl.py: SideStream`) overlaps it with the
+            sublayer the caller runs next. (The decode step's graph runs all of the projection
+            aside instead, `DeepseekV41HyperConnection.post_mixes`: then this launch is not used.)
 
     Returns:
         ``(x1, mixes)``: x1 bf16 ``[B, S, hc, D]``; mixes the fp32 tuple (pre ``[B, S, hc]``,

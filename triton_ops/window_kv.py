@@ -62,18 +62,21 @@ if triton is not None:
     @triton.jit
     def _window_kv_row_kernel(
         kv_ptr, w_ptr, f_ptr, ring_ptr, slot_ptr,
-        n_cols, eps, rot_start,
+        n_cols, eps, rot_start, window,
         fs_b, fs_i, rs_b, rs_s,
         BLOCK: tl.constexpr, ROT: tl.constexpr, GROUP: tl.constexpr, INTERPRET: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
-        dest = ring_ptr + b * rs_b + tl.load(slot_ptr) * rs_s
+        slot = tl.load(slot_ptr)
+        live = (slot >= 0) & (slot < window)  # a slot outside the ring: nothing written
+        dest = ring_ptr + b * rs_b + tl.where(live, slot, 0) * rs_s
+        cols = tl.arange(0, BLOCK)
+        ok = (cols < n_cols) & (tl.zeros_like(cols) + live.to(tl.int32) != 0)  # stores
 
         # 1. kv_norm (the body of `_rms_norm_kernel`)
-        cols = tl.arange(0, BLOCK)
-        ok = cols < n_cols
-        x = _bf16_to_fp32(tl.load(kv_ptr + b * n_cols + cols, mask=ok, other=0.0))
-        tl.store(dest + cols, _rms_norm_row(x, w_ptr, cols, ok, n_cols, eps, False), mask=ok)
+        in_row = cols < n_cols
+        x = _bf16_to_fp32(tl.load(kv_ptr + b * n_cols + cols, mask=in_row, other=0.0))
+        tl.store(dest + cols, _rms_norm_row(x, w_ptr, cols, in_row, n_cols, eps, False), mask=ok)
         tl.debug_barrier()
 
         # 2. RoPE of dims rot_start.. (as `_rope_kernel`, one head, in place)
@@ -89,7 +92,7 @@ if triton is not None:
         pf = _bf16_to_fp32(tl.load(dest + partner))
         y = _to_bf16_rne(_mul_rn(xf, c, INTERPRET) + _mul_rn(pf, sd, INTERPRET))
         tl.debug_barrier()  # every partner read before any is overwritten
-        tl.store(dest + col, y)
+        tl.store(dest + col, y, mask=tl.zeros_like(col) + live.to(tl.int32) != 0)
         tl.debug_barrier()
 
         # 3. e4m3 fake-quant per group of GROUP (as `_fake_quant_kernel`, fp8)
@@ -100,7 +103,7 @@ if triton is not None:
         scale, inv_scale = _pow2_scale(tl.max(tl.abs(v), axis=1))
         q = _fake_quant_scaled(v, scale[:, None], inv_scale[:, None])
         tl.debug_barrier()  # the group's reads done (the same threads may not hold the same cells)
-        tl.store(dest + offs, q, mask=g_ok)
+        tl.store(dest + offs, q, mask=g_ok & (tl.zeros_like(offs) + live.to(tl.int32) != 0))
 
 
 def _kernel_is_interpreted() -> bool:
@@ -108,20 +111,48 @@ def _kernel_is_interpreted() -> bool:
     return triton is not None and kernel_interpreted(_window_kv_row_kernel)
 
 
-def kernel_runs(kv: torch.Tensor, weight: torch.Tensor, freqs_cis: torch.Tensor, ring: torch.Tensor) -> bool:
-    """Whether :func:`window_kv_row_triton` takes these tensors: Triton installed, bf16 rows of
-    at most :data:`MAX_COLS` (a multiple of 32), a bf16 weight and a complex64 table, on CUDA or
-    on the CPU under Triton's interpreter, nothing recorded by autograd. Shapes are checked by
-    the call."""
-    return (
-        triton_available()
-        and kv.dtype == ring.dtype == weight.dtype == torch.bfloat16
-        and freqs_cis.dtype == torch.complex64
-        and 0 < kv.size(-1) <= MAX_COLS
-        and kv.size(-1) % FP8_GROUP == 0
-        and not (torch.is_grad_enabled() and (kv.requires_grad or ring.requires_grad))
-        and (kv.device.type == "cuda" or (_kernel_is_interpreted() and triton_interpret_mode()))
-    )
+def _problem(kv, weight, freqs_cis, ring, slot) -> str | None:
+    # what keeps `window_kv_row_triton` from taking these arguments (None: nothing); one rule for
+    # `kernel_runs` (which then leaves them to the separate kernels) and the call (which raises)
+    tensors = {"kv": kv, "weight": weight, "freqs_cis": freqs_cis, "ring": ring, "slot": slot}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            return f"{name} must be a tensor, got {type(t).__name__}"
+    if kv.dtype != torch.bfloat16 or ring.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return f"kv, ring and weight must be bf16, got {kv.dtype}, {ring.dtype}, {weight.dtype}"
+    if kv.dim() != 3 or kv.size(1) != 1 or ring.dim() != 3 or ring.size(0) != kv.size(0) or ring.size(2) != kv.size(2):
+        return f"kv [B, 1, D] and ring [B, W, D] do not match: {tuple(kv.shape)}, {tuple(ring.shape)}"
+    n_cols = kv.size(2)
+    if n_cols % FP8_GROUP or n_cols > MAX_COLS or tuple(weight.shape) != (n_cols,):
+        return f"rows of {n_cols} (a multiple of {FP8_GROUP} up to {MAX_COLS}) and weight {tuple(weight.shape)}"
+    if freqs_cis.dtype != torch.complex64:
+        return f"freqs_cis must be complex64, got {freqs_cis.dtype}"
+    table = freqs_cis if freqs_cis.dim() == 3 else freqs_cis.unsqueeze(0)
+    half = table.size(-1)
+    if table.dim() != 3 or table.size(1) != 1 or table.size(0) not in (1, kv.size(0)) or half == 0 \
+            or 2 * half > n_cols or half & (half - 1):
+        return (f"freqs_cis {tuple(freqs_cis.shape)} is not one entry of rd/2 pairs (a power of two, rd at "
+                f"most D) per row of {tuple(kv.shape)}")
+    if slot.dtype != torch.int64 or slot.numel() != 1:
+        return f"slot must be one int64 value, got {slot.dtype} {tuple(slot.shape)}"
+    if ring.stride(2) != 1 or (ring.size(0) > 1 and ring.stride(0) == 0):
+        return "the ring's last dim must be contiguous and its batch rows distinct (not an expanded view)"
+    if len({kv.device, weight.device, table.device, ring.device, slot.device}) != 1:
+        return "kv, weight, freqs_cis, ring and slot must be on one device"
+    if torch.is_grad_enabled() and (kv.requires_grad or ring.requires_grad or weight.requires_grad):
+        return "autograd records these tensors: the kernel has no backward"
+    if not triton_available():
+        return "window_kv_row_triton needs the triton package, which is not installed"
+    if kv.device.type != "cuda" and not (_kernel_is_interpreted() and triton_interpret_mode()):
+        return (f"window_kv_row_triton needs CUDA tensors (got {kv.device.type}) or Triton's interpreter "
+                "(TRITON_INTERPRET=1 before this module is imported)")
+    return None
+
+
+def kernel_runs(kv, weight, freqs_cis, ring, slot) -> bool:
+    """Whether :func:`window_kv_row_triton` takes these arguments (else it raises, naming why):
+    the separate kernels' callers ask first and otherwise run them."""
+    return _problem(kv, weight, freqs_cis, ring, slot) is None
 
 
 @on_input_device
@@ -136,44 +167,28 @@ def window_kv_row_triton(
         weight: bf16 ``[D]``, the ``kv_norm`` weight; eps: its epsilon.
         freqs_cis: complex64 ``[B, 1, rd/2]`` or ``[1, rd/2]`` (shared), each row's RoPE entry; rd
             a power of two, at most D.
-        ring: bf16 ``[B, W, D]``, the window ring, last dim contiguous; written in place at row
-            ``slot`` of every batch row.
-        slot: int64 ``[1]`` on the ring's device, the slot (read on the device, in ``[0, W)``).
+        ring: bf16 ``[B, W, D]``, the window ring, last dim contiguous, batch rows distinct;
+            written in place at row ``slot`` of every batch row.
+        slot: int64 ``[1]`` on the ring's device, the slot, read on the device: a value outside
+            ``[0, W)`` writes nothing (no device check can raise without a host sync; the
+            decode step's slot is ``column % W``).
 
     Raises:
-        WindowKVRowError: wrong dtypes, shapes or devices, D or rd out of range, Triton missing or
-            CPU tensors outside Triton's interpreter.
+        WindowKVRowError: a non-tensor argument, wrong dtypes, shapes or devices, D or rd out of
+            range, an expanded ring, autograd recording, Triton missing or CPU tensors outside
+            Triton's interpreter.
     """
-    if kv.dtype != torch.bfloat16 or ring.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
-        raise WindowKVRowError(f"kv, ring and weight must be bf16, got {kv.dtype}, {ring.dtype}, {weight.dtype}")
-    if kv.dim() != 3 or kv.size(1) != 1 or ring.dim() != 3 or ring.size(0) != kv.size(0) or ring.size(2) != kv.size(2):
-        raise WindowKVRowError(f"kv [B, 1, D] and ring [B, W, D] do not match: {tuple(kv.shape)}, {tuple(ring.shape)}")
+    problem = _problem(kv, weight, freqs_cis, ring, slot)
+    if problem is not None:
+        raise WindowKVRowError(problem)
     bsz, n_cols = kv.size(0), kv.size(2)
-    if n_cols % FP8_GROUP or n_cols > MAX_COLS or tuple(weight.shape) != (n_cols,):
-        raise WindowKVRowError(f"rows of {n_cols} (a multiple of {FP8_GROUP} up to {MAX_COLS}) and weight {tuple(weight.shape)}")
-    if freqs_cis.dtype != torch.complex64:
-        raise WindowKVRowError(f"freqs_cis must be complex64, got {freqs_cis.dtype}")
     table = freqs_cis if freqs_cis.dim() == 3 else freqs_cis.unsqueeze(0)
     half = table.size(-1)
-    if table.dim() != 3 or table.size(1) != 1 or table.size(0) not in (1, bsz) or half == 0 \
-            or 2 * half > n_cols or half & (half - 1):
-        raise WindowKVRowError(f"freqs_cis {tuple(freqs_cis.shape)} is not one entry of rd/2 pairs (a power of two) per row of {tuple(kv.shape)}")
-    if slot.dtype != torch.int64 or slot.numel() != 1:
-        raise WindowKVRowError(f"slot must be one int64 value, got {slot.dtype} {tuple(slot.shape)}")
-    if ring.stride(2) != 1:
-        raise WindowKVRowError("the ring's last dim must be contiguous")
-    if len({kv.device, weight.device, table.device, ring.device, slot.device}) != 1:
-        raise WindowKVRowError("kv, weight, freqs_cis, ring and slot must be on one device")
-    if not kernel_runs(kv, weight, table, ring):
-        raise WindowKVRowError(
-            "window_kv_row_triton needs the triton package and CUDA tensors, or Triton's interpreter "
-            "(TRITON_INTERPRET=1 before this module is imported) for CPU tensors, and no autograd"
-        )
     real = torch.view_as_real(table.resolve_conj())  # fp32 [B or 1, 1, half, 2]
     block, num_warps = _launch_shape(n_cols)
     _window_kv_row_kernel[(bsz,)](
         kv.contiguous(), weight.contiguous(), real, ring, slot,
-        n_cols, float(eps), n_cols - 2 * half,
+        n_cols, float(eps), n_cols - 2 * half, ring.size(1),
         real.stride(0) if real.size(0) > 1 else 0, real.stride(2), ring.stride(0), ring.stride(1),
         BLOCK=block, ROT=2 * half, GROUP=FP8_GROUP, INTERPRET=_kernel_is_interpreted(), num_warps=num_warps,
     )
