@@ -132,15 +132,35 @@ def test_a_slot_outside_the_ring_writes_nothing():
         assert torch.equal(_bits(got), _bits(ring))
 
 
-def test_the_attention_falls_back_to_the_four_launches_for_a_rope_width_it_cannot_take(monkeypatch):
-    """A config whose rotated width is not a power of two (24 of 64 dims): the decode step's row
-    goes through the separate kernels, not an error."""
+@pytest.mark.parametrize("rope_dim", [16, 24])
+def test_the_attention_writes_its_row_fused_only_where_the_kernel_takes_it(monkeypatch, rope_dim):
+    """An attention layer's decode-step row write (`_write_window_row`) with the norm, RoPE and
+    fake-quant kernels in its plan: the fused launch for 16 rotated dims; for 24 (not a power of
+    two, which the fused kernel does not take) the separate kernels and an index copy, not an
+    error; the same row either way as the unfused ops."""
     import deepseek_v41_vl.modeling.attention_deepseek_v41_vl as attention
+    from helpers import with_backends
+    from test_attention import _random_layers, _tiny_config
 
+    config = _tiny_config([0], [], [], -1)
+    config.qk_rope_head_dim = rope_dim
+    config.numerics = "fast"
+    attn = with_backends(_random_layers(config)[0], rms_norm="triton", rope="triton", fake_quant="triton")
     calls = []
-    monkeypatch.setattr(attention, "window_kv_row_triton", lambda *a: calls.append(a))
-    kv, weight, freqs, ring = _inputs(2, 64, 24, 4, seed=4)
-    assert not attention.window_kv_row_runs(kv, weight, freqs, ring, torch.tensor([0]))
+    fused = attention.window_kv_row_triton
+    monkeypatch.setattr(attention, "window_kv_row_triton", lambda *a: calls.append(1) or fused(*a))
+    g = torch.Generator().manual_seed(rope_dim)
+    x = torch.randn(2, 1, 64, generator=g).bfloat16()
+    freqs = DeepseekV41RotaryEmbedding(rope_dim, 160000.0, YARN)(torch.tensor([[5], [9]]))
+    ring = torch.randn(2, 8, 64, generator=g).bfloat16()
+    slot = torch.tensor([3])
+    with torch.no_grad():
+        want = ring.clone()
+        want.index_copy_(1, slot, attn.window_kv_rows(x, freqs))
+        got = ring.clone()
+        attn._write_window_row(x, freqs, got, slot)
+    assert len(calls) == (1 if rope_dim == 16 else 0)
+    assert torch.equal(_bits(got), _bits(want))
 
 
 def test_the_decode_step_writes_its_rows_through_the_fused_launch(golden, monkeypatch):
