@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -115,9 +116,11 @@ class DeepseekV41Head(nn.Linear):
         reads a token at release width on an H100). Elsewhere :meth:`forward`.
 
         The copy (``V x D`` bf16: 1.3 GB at release width, held beside the weight until the head
-        is moved or cast) is made at the first call after the weight changed (in place or
-        replaced), with one device read to check that it is exact; a CUDA graph's warm-up makes
-        it before the capture, and a captured step keys on :attr:`decode_version`.
+        is moved or cast) is made at the first call after the weight changed (replaced, or
+        written in place through autograd-visible ops: `copy_`, an optimizer step), with one
+        device read to check that it is exact; a CUDA graph's warm-up makes it before the
+        capture, and a captured step keys on :attr:`decode_version`. A write through
+        ``weight.data`` bumps no version: call :meth:`drop_decode_copy` after one.
         """
         copy = self._bf16_copy(hidden_states)
         if copy is None:
@@ -134,6 +137,12 @@ class DeepseekV41Head(nn.Linear):
         version = None if weight.is_inference() else weight._version  # inference tensors keep none
         return (id(weight), weight.data_ptr(), tuple(weight.shape), version, self.__dict__.get("_copies_dropped", 0))
 
+    def drop_decode_copy(self) -> None:
+        """Forget :meth:`decode_logits`' bf16 copy (made again at its next call) and change
+        :attr:`decode_version` (a captured step is captured again)."""
+        self.__dict__.pop("_decode_copy", None)
+        self.__dict__["_copies_dropped"] = self.__dict__.get("_copies_dropped", 0) + 1
+
     def _bf16_copy(self, x: torch.Tensor) -> torch.Tensor | None:
         weight = self.weight
         if not (
@@ -148,7 +157,8 @@ class DeepseekV41Head(nn.Linear):
             return None
         key = self.decode_version
         held = self.__dict__.get("_decode_copy")
-        if held is None or held[0] != key:
+        # the weight itself too: a new weight may reuse a freed one's id and address
+        if held is None or held[0] != key or held[2]() is not weight:
             self.__dict__.pop("_decode_copy", None)  # the old copy freed before the new one is made
             copy = weight.detach().to(torch.bfloat16)
             inexact = torch.zeros((), dtype=torch.bool, device=weight.device)
@@ -156,14 +166,14 @@ class DeepseekV41Head(nn.Linear):
                 part = weight.detach()[rows : rows + 8192]
                 inexact |= (copy[rows : rows + 8192].float() != part).any()
             exact = not bool(inexact)  # one device read per weight change
-            held = self.__dict__["_decode_copy"] = (key, copy if exact else None)
+            held = self.__dict__["_decode_copy"] = (key, copy if exact else None, weakref.ref(weight))
         return held[1]
 
     def _apply(self, fn, *args, **kwargs):
         # moved or cast (even onto itself): the copy is made again where it is next used, and a
         # step captured with the old one keys on a new version
-        if self.__dict__.pop("_decode_copy", None) is not None:
-            self.__dict__["_copies_dropped"] = self.__dict__.get("_copies_dropped", 0) + 1
+        if "_decode_copy" in self.__dict__:
+            self.drop_decode_copy()
         return super()._apply(fn, *args, **kwargs)
 
     def __getstate__(self):

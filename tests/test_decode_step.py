@@ -420,6 +420,9 @@ def test_the_heads_decode_logits_off_cuda_are_its_forward():
     with torch.no_grad():
         head.weight.mul_(2)
     assert head.decode_version != version
+    version = head.decode_version
+    head.drop_decode_copy()  # after a write through `.data`, which bumps no version
+    assert head.decode_version != version
     with torch.inference_mode():
         frozen = DeepseekV41Head(50, 16)
     assert frozen.decode_version[3] is None  # an inference tensor keeps no version: never copied

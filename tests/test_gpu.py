@@ -1264,6 +1264,10 @@ def test_window_kv_row_fused_equals_the_four_launches(batch):
         got = ring.clone()
         window_kv_row_triton(kv, weight, 1e-20, freqs, got, slot)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    for outside in (-1, 128):  # a slot outside the ring: nothing written
+        got = ring.clone()
+        window_kv_row_triton(kv, weight, 1e-20, freqs, got, torch.tensor([outside], device=CUDA))
+        assert torch.equal(got.view(torch.int16), ring.view(torch.int16))
 
 
 @pytest.mark.parametrize("batch, seq", [(1, 1), (4, 1), (1, 2048)])
@@ -1354,7 +1358,7 @@ def test_head_decode_logits_read_an_exact_bf16_copy_and_follow_the_weight():
         assert ((ours - ref).abs() <= 1e-5 * ref.abs().amax(dim=-1, keepdim=True)).all()
         assert head.__dict__["_decode_copy"][1].dtype == torch.bfloat16
         version = head.decode_version
-        head.weight[0, 0] += 1e-6  # no longer a bf16 value
+        head.weight[-1, -1] += 1e-6  # no longer a bf16 value (in the last of the checked row chunks)
         assert head.decode_version != version
         assert torch.equal(head.decode_logits(x), head(x))
         assert head.__dict__["_decode_copy"][1] is None

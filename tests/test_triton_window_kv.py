@@ -94,6 +94,7 @@ def test_a_zero_row_and_huge_values():
         (lambda a: a.update(slot=torch.tensor([1, 2])), "one int64"),
         (lambda a: a.update(ring=a["ring"].transpose(1, 2).contiguous().transpose(1, 2)), "contiguous"),
         (lambda a: a.update(ring=a["ring"][:1].expand(2, 64, 64)), "expanded"),
+        (lambda a: a.update(ring=a["ring"][:, :0]), "no slots"),
         (lambda a: a.update(slot=3), "slot must be a tensor"),
         (lambda a: a.update(kv=None), "kv must be a tensor"),
         (lambda a: a.update(kv=a["kv"].requires_grad_()), "no backward"),

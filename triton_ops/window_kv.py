@@ -135,6 +135,8 @@ def _problem(kv, weight, freqs_cis, ring, slot) -> str | None:
                 f"most D) per row of {tuple(kv.shape)}")
     if slot.dtype != torch.int64 or slot.numel() != 1:
         return f"slot must be one int64 value, got {slot.dtype} {tuple(slot.shape)}"
+    if ring.size(1) == 0:
+        return "the ring has no slots (W = 0)"
     if ring.stride(2) != 1 or (ring.size(0) > 1 and ring.stride(0) == 0):
         return "the ring's last dim must be contiguous and its batch rows distinct (not an expanded view)"
     if len({kv.device, weight.device, table.device, ring.device, slot.device}) != 1:
