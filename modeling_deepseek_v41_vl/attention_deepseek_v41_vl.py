@@ -69,8 +69,7 @@ from torch import nn
 
 from ..triton_ops.sparse_attention import SPARSE_ATTN_BLOCK
 from ..triton_ops.sparse_attention import sparse_attention as sparse_attention_op
-from ..triton_ops.window_kv import kernel_runs as window_kv_row_runs
-from ..triton_ops.window_kv import window_kv_row_triton
+from ..triton_ops.window_kv import window_kv_row_if_runs
 from .attention_state_deepseek_v41_vl import (
     DeepseekV41AttentionState,
     DeepseekV41DecodeStep,
@@ -178,13 +177,12 @@ class DeepseekV41Attention(nn.Module):
         write (`triton_ops/window_kv.py`, the same bits), else those ops and an index copy."""
         kv = self.wkv(x)
         plan = self.numerics
-        if (
+        fused = (
             self.kv_norm.takes_kernel(kv)
             and plan.backend("rope", kv.device) == plan.backend("fake_quant", kv.device) == "triton"
-            and window_kv_row_runs(kv, self.kv_norm.weight, freqs, ring, slot)
-        ):
-            window_kv_row_triton(kv, self.kv_norm.weight, self.kv_norm.eps, freqs, ring, slot)
-        else:
+            and window_kv_row_if_runs(kv, self.kv_norm.weight, self.kv_norm.eps, freqs, ring, slot)
+        )
+        if not fused:
             ring.index_copy_(1, slot, self._finish_kv(kv, freqs))
 
     def _compressed_row(self, latent: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,19 @@ def _four_launches(kv, weight, eps, freqs, ring, slot):
     return out
 
 
+def _spy_fused(monkeypatch, attention, calls: list):
+    """Count the rows the attention writes through the fused launch (`window_kv_row_if_runs`
+    returning True)."""
+    fused = window_kv.window_kv_row_if_runs
+
+    def spy(*args):
+        ran = fused(*args)
+        calls.extend([1] * ran)
+        return ran
+
+    monkeypatch.setattr(attention, "window_kv_row_if_runs", spy)
+
+
 @pytest.mark.parametrize(
     "bsz,dim,rd,window,slot,shared",
     [
@@ -121,8 +134,16 @@ def test_kernel_runs_exactly_where_the_call_takes_its_arguments():
         (kv, weight, freqs, ring, 1),
     ):
         assert not window_kv.kernel_runs(*args)
+        before = ring.clone()
+        assert not window_kv.window_kv_row_if_runs(args[0], args[1], 1e-20, *args[2:])
+        assert torch.equal(_bits(ring), _bits(before))  # nothing written
         with pytest.raises(WindowKVRowError):
             window_kv_row_triton(args[0], args[1], 1e-20, *args[2:])
+    got = ring.clone()
+    assert window_kv.window_kv_row_if_runs(kv, weight, 1e-20, freqs, got, slot)
+    want = ring.clone()
+    window_kv_row_triton(kv, weight, 1e-20, freqs, want, slot)
+    assert torch.equal(_bits(got), _bits(want)) and not torch.equal(_bits(got), _bits(ring))
 
 
 def test_a_slot_outside_the_ring_writes_nothing():
@@ -148,8 +169,7 @@ def test_the_attention_writes_its_row_fused_only_where_the_kernel_takes_it(monke
     config.numerics = "fast"
     attn = with_backends(_random_layers(config)[0], rms_norm="triton", rope="triton", fake_quant="triton")
     calls = []
-    fused = attention.window_kv_row_triton
-    monkeypatch.setattr(attention, "window_kv_row_triton", lambda *a: calls.append(1) or fused(*a))
+    _spy_fused(monkeypatch, attention, calls)
     g = torch.Generator().manual_seed(rope_dim)
     x = torch.randn(2, 1, 64, generator=g).bfloat16()
     freqs = DeepseekV41RotaryEmbedding(rope_dim, 160000.0, YARN)(torch.tensor([[5], [9]]))
@@ -178,13 +198,14 @@ def test_the_decode_step_writes_its_rows_through_the_fused_launch(golden, monkey
     _, inputs = run_inputs(golden, "model_tiny_fp8", "text")
     prompt = inputs["input_ids"]
     calls = []
-    fused = attention.window_kv_row_triton
-    monkeypatch.setattr(attention, "window_kv_row_triton", lambda *a: calls.append(1) or fused(*a))
     plan = model.numerics
     try:
         runs = []
         for fuse in (True, False):
-            monkeypatch.setattr(attention, "window_kv_row_runs", window_kv.kernel_runs if fuse else lambda *a: False)
+            if fuse:
+                _spy_fused(monkeypatch, attention, calls)
+            else:
+                monkeypatch.setattr(attention, "window_kv_row_if_runs", lambda *a: False)
             with_backends(model, rms_norm="torch", rope="torch", fake_quant="torch")
             cache = DeepseekV41Cache(model.config)
             with torch.no_grad():

@@ -157,7 +157,6 @@ def kernel_runs(kv, weight, freqs_cis, ring, slot) -> bool:
     return _problem(kv, weight, freqs_cis, ring, slot) is None
 
 
-@on_input_device
 def window_kv_row_triton(
     kv: torch.Tensor, weight: torch.Tensor, eps: float, freqs_cis: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor
 ) -> None:
@@ -183,6 +182,23 @@ def window_kv_row_triton(
     problem = _problem(kv, weight, freqs_cis, ring, slot)
     if problem is not None:
         raise WindowKVRowError(problem)
+    _launch(kv, weight, eps, freqs_cis, ring, slot)
+
+
+def window_kv_row_if_runs(
+    kv: torch.Tensor, weight: torch.Tensor, eps: float, freqs_cis: torch.Tensor, ring: torch.Tensor, slot: torch.Tensor
+) -> bool:
+    """:func:`window_kv_row_triton` where :func:`kernel_runs` holds, the arguments checked once
+    (a decode step asks at every layer); else nothing written. Returns whether it wrote the row."""
+    if _problem(kv, weight, freqs_cis, ring, slot) is not None:
+        return False
+    _launch(kv, weight, eps, freqs_cis, ring, slot)
+    return True
+
+
+@on_input_device
+def _launch(kv, weight, eps, freqs_cis, ring, slot) -> None:
+    # arguments that `_problem` accepted
     bsz, n_cols = kv.size(0), kv.size(2)
     table = freqs_cis if freqs_cis.dim() == 3 else freqs_cis.unsqueeze(0)
     half = table.size(-1)
@@ -196,4 +212,4 @@ def window_kv_row_triton(
     )
 
 
-__all__ = ["MAX_COLS", "WindowKVRowError", "kernel_runs", "window_kv_row_triton"]
+__all__ = ["MAX_COLS", "WindowKVRowError", "kernel_runs", "window_kv_row_if_runs", "window_kv_row_triton"]
