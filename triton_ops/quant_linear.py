@@ -263,6 +263,17 @@ if triton is not None:
         return w_lo, w_hi
 
     @triton.jit
+    def _scale_bytes(s_ptr, offs_n, gi, stride_sn, s_mask, IS_FP4: tl.constexpr):
+        """The e8m0 scale bytes [BLOCK_N, G] of output features `offs_n` and K groups `gi`: fp4
+        weights hold one scale row per feature, fp8 ones one per 32 features (a [32, 32] block);
+        masked-off entries read as scale 1."""
+        if IS_FP4:
+            rows = offs_n
+        else:
+            rows = offs_n // 32
+        return tl.load(s_ptr + rows[:, None] * stride_sn + gi[None, :], mask=s_mask, other=E8M0_BIAS_TL)
+
+    @triton.jit
     def _store_tile(acc, offs_n, offs_m, n_ok, m_ok, tile, pid_k, M, N, n_splits, out_ptr, ws_ptr, count_ptr,
                     stride_om, SPLIT: tl.constexpr, OUT_FP32: tl.constexpr):
         """Stores the fp32 sums `acc` [BLOCK_N, BLOCK_M] of output features `offs_n` and rows
@@ -348,7 +359,7 @@ if triton is not None:
                 xq_odd = tl.reshape(_fake_quant_groups(x_odd, scale, inv_scale), (GROUPS_PER_ITER * 16, BLOCK_M))
 
                 packed = tl.load(w_rows + (gi * 16)[None, :, None] + j[None, None, :], mask=w_mask, other=0)
-                s_byte = tl.load(s_ptr + offs_n[:, None] * stride_sn + gi[None, :], mask=s_mask, other=E8M0_BIAS_TL)
+                s_byte = _scale_bytes(s_ptr, offs_n, gi, stride_sn, s_mask, IS_FP4)
                 w_lo, w_hi = _fp4_tile(packed, s_byte, PTX_DECODE, BLOCK_N, GROUPS_PER_ITER)
                 acc += _dot(tl.reshape(w_lo, (BLOCK_N, GROUPS_PER_ITER * 16)), xq_even, DOT_FP32)
                 acc += _dot(tl.reshape(w_hi, (BLOCK_N, GROUPS_PER_ITER * 16)), xq_odd, DOT_FP32)
@@ -360,8 +371,7 @@ if triton is not None:
                 xq = tl.reshape(_fake_quant_groups(x_t, scale, inv_scale), (GROUPS_PER_ITER * 32, BLOCK_M))
 
                 w8 = tl.load(w_rows + (gi * 32)[None, :, None] + kk[None, None, :], mask=w_mask, other=0)
-                s_rows = s_ptr + (offs_n // 32)[:, None] * stride_sn
-                s_byte = tl.load(s_rows + gi[None, :], mask=s_mask, other=E8M0_BIAS_TL)
+                s_byte = _scale_bytes(s_ptr, offs_n, gi, stride_sn, s_mask, IS_FP4)
                 w = _fp8_tile(w8, s_byte, PTX_DECODE, BLOCK_N, GROUPS_PER_ITER)
                 acc += _dot(tl.reshape(w, (BLOCK_N, GROUPS_PER_ITER * 32)), xq, DOT_FP32)
 
@@ -426,7 +436,7 @@ if triton is not None:
                 xq_even = _fake_quant_scaled(x_even, scale[:, None], inv_scale[:, None]).to(tl.float32)
                 xq_odd = _fake_quant_scaled(x_odd, scale[:, None], inv_scale[:, None]).to(tl.float32)
                 packed = tl.load(w_rows + (gi * 16)[None, :, None] + j[None, None, :], mask=w_mask, other=0)
-                s_byte = tl.load(s_ptr + offs_n[:, None] * stride_sn + gi[None, :], mask=s_mask, other=E8M0_BIAS_TL)
+                s_byte = _scale_bytes(s_ptr, offs_n, gi, stride_sn, s_mask, IS_FP4)
                 w_lo, w_hi = _fp4_tile(packed, s_byte, PTX_DECODE, BLOCK_N, GROUPS_PER_ITER)
                 acc += w_lo.to(tl.float32) * xq_even[None, :, :]
                 acc += w_hi.to(tl.float32) * xq_odd[None, :, :]
@@ -436,8 +446,7 @@ if triton is not None:
                 scale, inv_scale = _pow2_scale(tl.max(tl.abs(x_t), axis=1))  # [G]
                 xq = _fake_quant_scaled(x_t, scale[:, None], inv_scale[:, None]).to(tl.float32)
                 w8 = tl.load(w_rows + (gi * 32)[None, :, None] + kk[None, None, :], mask=w_mask, other=0)
-                s_byte = tl.load(s_ptr + (offs_n // 32)[:, None] * stride_sn + gi[None, :], mask=s_mask,
-                                 other=E8M0_BIAS_TL)
+                s_byte = _scale_bytes(s_ptr, offs_n, gi, stride_sn, s_mask, IS_FP4)
                 acc += _fp8_tile(w8, s_byte, PTX_DECODE, BLOCK_N, GROUPS_PER_ITER).to(tl.float32) * xq[None, :, :]
         total = tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]  # [BN, 1]
         offs_m = row + tl.arange(0, 1)
