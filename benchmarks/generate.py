@@ -94,7 +94,6 @@ def chat_inputs(processor, prompts: list[tuple[str, list[Path]]], device):
     return inputs.to(device)
 
 
-@torch.no_grad()
 class TokenClock(BaseStreamer):
     """A streamer that notes the host time of each `put` generate() makes: the prompt first, then
     every new token, right after the step that made it (generate copies the token to the host for
@@ -116,6 +115,7 @@ class TokenClock(BaseStreamer):
         return (self.times[-1] - self.times[1]) / (len(self.times) - 2)
 
 
+@torch.no_grad()
 def timed_generate(model, inputs, new_tokens: int, device, streamer=None) -> float:
     sync(device)
     start = time.perf_counter()
