@@ -1,7 +1,8 @@
 """generate() as users call it: the whole model at full depth, through the processor.
 
 Not a test: a script for one GPU (issue [decode-engine]). It builds the released V4.1-Flash
-config (40 layers x 5120, the real ViT, fp8 linears, fp4 routed experts) with random weights,
+config (40 layers x 5120, the real ViT, fp8 linears, fp4 routed experts) with random weights
+(the head's bf16 values held in fp32, as the checkpoint's, so a decode step reads its bf16 copy),
 directly on the device, made to fit one GPU in two ways that keep the work per token:
 
 - every MoE layer's routed experts share one layer's storage (each layer still reads the experts
@@ -74,6 +75,8 @@ def build(device: torch.device, quick: bool):
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(0)
     init_our_layer(model, gen)  # the whole model: linears, Engram tables, norms, mHC
+    head = model.model.head.weight
+    head.data.copy_(head.data.to(torch.bfloat16))  # the checkpoint's head is bf16, held in fp32
     model.model.engram_hash.token_map.copy_(
         torch.randint(0, config.text_config.engram_compressed_vocab_size, model.model.engram_hash.token_map.shape,
                       generator=gen, device=device))

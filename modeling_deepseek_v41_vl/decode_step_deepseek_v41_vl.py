@@ -191,7 +191,8 @@ class _StructureVersion:
         cls.installed = True
 
 
-# the runners whose steps the current thread's `generate` loop issues (checked at its entry)
+# the runners whose steps the current thread's `generate` loop issues (checked at its entry), each
+# with what its checks found in this call (`DeepseekV41DecodeRunner._once_per_call`)
 _TRUSTED = threading.local()
 
 
@@ -221,32 +222,52 @@ class DeepseekV41DecodeRunner:
     @contextlib.contextmanager
     def trusting(self):
         """While in it, this thread's engine steps skip the checks that read values back from the
-        GPU (`generate`'s loop: its tokens come from its own sampling, checked at its entry)."""
+        GPU (`generate`'s loop: its tokens come from its own sampling, checked at its entry), and
+        the scans of the model's modules that decide whether and how a step runs (hooks, devices,
+        offload, the kernels' graph safety) run once, at the first step: a hook registered or a
+        module moved while a `generate` call runs takes effect from the next call."""
         trusted = getattr(_TRUSTED, "runners", None)
         if trusted is None:
-            trusted = _TRUSTED.runners = weakref.WeakSet()
+            trusted = _TRUSTED.runners = weakref.WeakKeyDictionary()
         was = self in trusted
-        trusted.add(self)
+        if not was:
+            trusted[self] = {}
         try:
             yield
         finally:
             if not was:
-                trusted.discard(self)
+                trusted.pop(self, None)
 
     @property
     def trusted(self) -> bool:
         """Whether this thread is inside :meth:`trusting`."""
         return self in getattr(_TRUSTED, "runners", ())
 
+    def _once_per_call(self, key: tuple, scan: Callable[[], bool]) -> bool:
+        """``scan()``, or inside :meth:`trusting` its first result for `key` in this call (keyed
+        also on the model's structure: a module, parameter or buffer registered since scans again)."""
+        found = getattr(_TRUSTED, "runners", {}).get(self)
+        if found is None:
+            return scan()
+        key = (*key, _StructureVersion.value)
+        if key not in found:
+            found[key] = scan()
+        return found[key]
+
     # -- which steps the engine takes --------------------------------------------------------
     def applies(self, model, cache, input_ids: torch.Tensor, output_hidden_states: bool = False) -> bool:
         """Whether the forward of `input_ids` on `cache` is a step of the engine: one token per
         row on a filled cache, fast numerics, no autograd, no forward hook on the model's modules
-        (a hook expects the layer-by-layer forward), every layer on one device, no offload."""
+        (a hook expects the layer-by-layer forward), every layer on one device, no offload (those
+        three scanned once per `generate` call, see :meth:`trusting`)."""
         if cache is None or input_ids.size(1) != 1 or cache.get_seq_length() == 0 or output_hidden_states:
             return False
         if model.numerics.exact or torch.is_grad_enabled():
             return False
+        return self._once_per_call(("applies",), lambda: self._placed_for_steps(model))
+
+    def _placed_for_steps(self, model) -> bool:
+        # no forward hook on the model's modules, every layer on one device, no offload
         if self._watched is None or self._watched[0] != _StructureVersion.value:
             # every module but the routed experts (~1500 at release width): the step calls them
             # through the expert kernels, as the plain forward then does, so hooks on them fire
@@ -267,18 +288,18 @@ class DeepseekV41DecodeRunner:
         """Whether a step of `batch` rows on `device` replays from a CUDA graph: graphs on, CUDA,
         not inside a compile or another capture, every op of the step free of host
         synchronisation (the Triton sparse attention; the MoE's expert kernels at this batch) and
-        every Engram table on `device`."""
+        every Engram table on `device` (those scanned once per `generate` call, see :meth:`trusting`)."""
         if not (self.graphs and device.type == "cuda"):
             return False
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return False
-        return all(
+        return self._once_per_call(("replays", batch, device), lambda: all(
             layer.attn.sparse_attention_graph_safe(device) and layer.ffn.runs_without_host_sync(batch, device)
             # Engram tables kept in host memory (`device_map` placing them on the CPU) are read
             # through host copies, which a graph cannot hold
             and (layer.engram is None or all(p.device == device for p in layer.engram.parameters()))
             for layer in model.layers
-        )
+        ))
 
     def draft_replay(self, model, cache: DeepseekV41DraftCache, batch: int, start_pos: int):
         """How the draft head's forward of a decode step at `start_pos` runs (`draft_step`'s
@@ -287,7 +308,8 @@ class DeepseekV41DecodeRunner:
         run it eagerly. It replays on CUDA in fast numerics without autograd, once the ring holds
         a whole window (`start_pos + 1 >= W`: before that the rows read grow with the position),
         with the draft blocks, the embedding and the head on the rings' device, no hook on their
-        modules, no offload, and every op free of host synchronisation at ``batch x bs`` rows."""
+        modules, no offload, and every op free of host synchronisation at ``batch x bs`` rows (those
+        scanned once per `generate` call, see :meth:`trusting`)."""
         device = cache.rings[0].device
         if not (self.graphs and device.type == "cuda") or model.numerics.exact or torch.is_grad_enabled():
             return None
@@ -295,21 +317,10 @@ class DeepseekV41DecodeRunner:
             return None
         if start_pos + 1 < cache.rings[0].size(1):
             return None
-        if any(ring.device != device for ring in cache.rings) or model.embed.weight.device != device \
-                or model.head.weight.device != device:
-            return None
-        # an offloaded draft block was refused before (`_check_draft_head`); the embedding and
-        # the head are the backbone's
-        if _offloaded(model.embed) or _offloaded(model.head):
-            return None
-        if self._draft_watched is None or self._draft_watched[0] != _StructureVersion.value:
-            # the draft head's modules but its routed experts after the first (`draft_head_modules`)
-            self._draft_watched = (_StructureVersion.value, [*draft_head_modules(model.mtp), model.embed, model.head])
-        if _hooked(self._draft_watched[1]):
+        if any(ring.device != device for ring in cache.rings):
             return None
         rows = batch * model.text_config.dspark_block_size
-        if not all(block.attn.sparse_attention_graph_safe(device) and block.ffn.runs_without_host_sync(rows, device)
-                   for block in model.mtp):
+        if not self._once_per_call(("draft", rows, device), lambda: self._draft_replays(model, rows, device)):
             return None
         segment = cache.graphs.get("draft")
         if segment is None:
@@ -326,6 +337,23 @@ class DeepseekV41DecodeRunner:
             return out
 
         return run
+
+    def _draft_replays(self, model, rows: int, device: torch.device) -> bool:
+        # the draft head's embedding and head on `device`, neither offloaded, no hook on its
+        # modules, every op free of host synchronisation at `rows` rows
+        if model.embed.weight.device != device or model.head.weight.device != device:
+            return False
+        # an offloaded draft block was refused before (`_check_draft_head`); the embedding and
+        # the head are the backbone's
+        if _offloaded(model.embed) or _offloaded(model.head):
+            return False
+        if self._draft_watched is None or self._draft_watched[0] != _StructureVersion.value:
+            # the draft head's modules but its routed experts after the first (`draft_head_modules`)
+            self._draft_watched = (_StructureVersion.value, [*draft_head_modules(model.mtp), model.embed, model.head])
+        if _hooked(self._draft_watched[1]):
+            return False
+        return all(block.attn.sparse_attention_graph_safe(device) and block.ffn.runs_without_host_sync(rows, device)
+                   for block in model.mtp)
 
     # -- a step -------------------------------------------------------------------------------
     def widths(self, model, cache: DeepseekV41Cache) -> dict[int, int]:

@@ -218,6 +218,40 @@ def test_a_step_called_directly_is_checked_as_a_forward(fast):
     assert cache.get_seq_length() == 21  # nothing was written
 
 
+def test_a_generate_call_scans_the_modules_once(fast, monkeypatch):
+    # hooks, devices, offload: scanned at the first step of a call (`trusting`), not at every step;
+    # a hook registered during a call takes the layer-by-layer forward from the next call on
+    model, ids = fast
+    runner = model.decode_runner
+    scans, steps = [], []
+    placed, step = runner._placed_for_steps, runner.step
+    monkeypatch.setattr(runner, "_placed_for_steps", lambda m: scans.append(1) or placed(m))
+    monkeypatch.setattr(runner, "step", lambda *a, **k: steps.append(1) or step(*a, **k))
+    cache = DeepseekV41Cache(model.config, max_cache_len=64)
+    handle = None
+    try:
+        with torch.no_grad():
+            token = model(ids[:1, :21], cache=cache).logits[:, -1:].argmax(-1)
+            with runner.trusting():
+                for _ in range(3):
+                    token = model(token, cache=cache).logits.argmax(-1)
+                handle = model.norm.register_forward_hook(lambda *_: None)
+                token = model(token, cache=cache).logits.argmax(-1)
+            assert (len(scans), len(steps)) == (1, 4)
+            token = model(token, cache=cache).logits.argmax(-1)  # outside a call: scanned, hooked
+            with runner.trusting():
+                token = model(token, cache=cache).logits.argmax(-1)
+            assert (len(scans), len(steps)) == (3, 4)
+            handle.remove()
+            with runner.trusting(), runner.trusting():  # nested: still one scan
+                for _ in range(2):
+                    token = model(token, cache=cache).logits.argmax(-1)
+            assert (len(scans), len(steps)) == (4, 6)
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
 @pytest.mark.parametrize("window", [1, 8, 128])
 def test_window_index_list_from_a_device_position_equals_the_host_one(window):
     for start_pos in (1, 2, window - 1, window, window + 1, 3 * window + 5, 4097):
