@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..triton_ops.index_topk import index_topk_torch, index_topk_triton, topk_ties_by_position
+from ..triton_ops.index_topk import kernel_runs as index_topk_runs
 from .attention_state_deepseek_v41_vl import DeepseekV41AttentionState
 from .compressor_deepseek_v41_vl import DeepseekV41Latents
 from .exceptions_deepseek_v41_vl import DeepseekV41AttentionError
@@ -231,16 +233,17 @@ class DeepseekV41Indexer(nn.Module):
             candidate_blocks: candidate users: the candidate source's kept block ids ``[B, 1, kb]``.
 
         Returns:
-            int32 ``[B, 1, min(index_topk, W)]`` indices (-1 = none), unsorted, ties to the lower
-            position (as the fast one-token path of :meth:`_select`), and for the candidate source its kept block ids
+            int32 ``[B, 1, min(index_topk, W)]`` indices (-1 = none), ties to the lower position (as
+            the fast one-token path of :meth:`_select`), in ascending position from the Triton
+            kernel, else unsorted; and for the candidate source its kept block ids
             ``[B, 1, min(candidate_topk_blocks, ceil(W / block))]`` (-1 = none), else None.
         """
         width = keys.size(1)
         scores = torch.einsum("bshd,btd->bsht", q, keys)
         scores = (scores.relu_() * weights.unsqueeze(-1)).sum(dim=2)
-        scores = scores.masked_fill(torch.arange(width, device=q.device) >= visible, -torch.inf)
         blocks = None
         if self.is_candidate_source:
+            scores = scores.masked_fill(torch.arange(width, device=q.device) >= visible, -torch.inf)
             blocks = candidate_block_ids(scores, visible, self.candidate_topk_blocks, self.candidate_block_size)
             n_blocks = -(-width // self.candidate_block_size)
             blocks = blocks.to(torch.int16 if n_blocks <= torch.iinfo(torch.int16).max else torch.int32)
@@ -250,9 +253,12 @@ class DeepseekV41Indexer(nn.Module):
             keep = candidate_mask_from_blocks(candidate_blocks, width, self.candidate_block_size)
             scores = scores.masked_fill(~keep, -torch.inf)
         # ties go to the lower position: the picks do not depend on the width ranked (a static
-        # cache's capacity, a growing cache's bucket) nor on the other rows of the batch
-        picked = _topk_ties_by_position(scores, min(self.index_topk, width))
-        return torch.where(picked < visible, picked + offset, -1).int(), blocks
+        # cache's capacity, a growing cache's bucket) nor on the other rows of the batch; the
+        # positions from `visible` on score -inf (`triton_ops/index_topk.py`: one launch on CUDA)
+        k = min(self.index_topk, width)
+        if self.numerics.backend("index_topk", q.device) == "triton" and index_topk_runs(scores, visible, k):
+            return index_topk_triton(scores, visible, k, offset), blocks
+        return index_topk_torch(scores, visible, k, offset), blocks
 
     def _candidate_mask(self, state: DeepseekV41AttentionState, rows: slice, width: int, batch: slice) -> torch.Tensor:
         """The candidate source's kept positions for the queries `rows`, bool ``[B, rows, width]``."""
@@ -375,7 +381,7 @@ class DeepseekV41Indexer(nn.Module):
             # fast numerics with left padding ranks the batch at once, and a one-token step ranks
             # as the decode engine does: ties by position, so the choice depends neither on the
             # width ranked nor on the other rows' lengths
-            picked = _topk_ties_by_position(scores, min(k, n_keys))
+            picked = topk_ties_by_position(scores, min(k, n_keys))
         if not one_step or self.numerics.exact:
             # ascending positions: the reference's order, in which the attention adds them up; a fast
             # decode step skips the sort (a radix sort of the k ids is the step's costliest kernel
@@ -387,28 +393,6 @@ class DeepseekV41Indexer(nn.Module):
         if state.record_index_scores and n_keys < index_k.size(1):
             scores = F.pad(scores, (0, index_k.size(1) - n_keys), value=-torch.inf)
         return idxs, (scores if state.record_index_scores else None), candidates
-
-
-def _topk_ties_by_position(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the `k` largest scores along the last dim, ties going to the lower position.
-
-    `torch.topk` breaks ties (the relu makes many scores exactly 0) in an order that depends on
-    the width it ranks, so a left-padded row ranked at a batch's width could pick other positions
-    than alone. Ranking (score, -position) instead makes the choice the row's own: the positions
-    past its visible ones are -inf and never outrank a visible one.
-    """
-    if k == 0:
-        return scores.new_empty(*scores.shape[:-1], 0, dtype=torch.long)
-    kth = scores.topk(k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
-    above = scores > kth
-    tied = scores == kth
-    # every score above the k-th, then as many tied at the k-th as fit, in ascending position
-    keep = above | (tied & (torch.cumsum(tied, dim=-1, dtype=torch.int32) <= k - above.sum(dim=-1, keepdim=True)))
-    # exactly k kept per query: a second top-k over (kept, -position) returns them without a
-    # host sync (no nonzero), so CUDA graphs can still capture the step
-    width = scores.size(-1)
-    key = keep.to(torch.int32) * width - torch.arange(width, device=scores.device, dtype=torch.int32)
-    return key.topk(k, dim=-1, sorted=False).indices
 
 
 __all__ = [

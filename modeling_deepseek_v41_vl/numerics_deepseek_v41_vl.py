@@ -35,6 +35,7 @@ from ..triton_ops.dequant import ENV_BACKEND as DEQUANT_ENV
 from ..triton_ops.fake_quant import ENV_BACKEND as FAKE_QUANT_ENV
 from ..triton_ops.hc_mix import ENV_BACKEND as HC_MIX_ENV
 from ..triton_ops.hc_sinkhorn import ENV_BACKEND as HC_SINKHORN_ENV
+from ..triton_ops.index_topk import ENV_BACKEND as INDEX_TOPK_ENV
 from ..triton_ops.kernel_backend import BACKENDS, triton_available
 from ..triton_ops.moe_experts import DEFAULT_MMA as MOE_EXPERTS_DEFAULT_MMA
 from ..triton_ops.moe_experts import ENV_BACKEND as MOE_EXPERTS_ENV
@@ -64,6 +65,7 @@ KERNEL_ENV: dict[str, str | None] = {
     "vision_rope": VISION_ROPE_ENV,
     "swiglu": SWIGLU_ENV,
     "rope": ROPE_ENV,
+    "index_topk": INDEX_TOPK_ENV,
 }
 # kernel option -> (its environment variable, the allowed values, the default); read once per plan
 KERNEL_OPTION_ENV: dict[str, tuple[str, tuple[str, ...], str]] = {

@@ -1235,6 +1235,34 @@ def test_text_rope_kernel_agrees_with_the_torch_ops(inverse):
     assert apply_rotary_triton(same, freqs, inverse=inverse, inplace=True) is same and torch.equal(same, ours)
 
 
+@pytest.mark.parametrize("width", [113, 512, 4096, 16384])
+def test_index_topk_kernel_keeps_the_torch_ops_positions(width):
+    """The indexer's decode-step top-k in one launch (`triton_ops/index_topk.py`), compiled: the
+    positions the torch ops keep (k = 512, ties at the k-th score to the lower position, -0 tied
+    with +0, rows seeing fewer than k), listed in ascending position; graph-capturable."""
+    from deepseek_v41_vl.triton_ops.index_topk import index_topk_torch, index_topk_triton
+
+    _require_compiled_triton()
+    gen = torch.Generator(device=CUDA).manual_seed(width)
+    s = (torch.randn(4, 1, width, generator=gen, device=CUDA) * 4).round()
+    s = torch.where(torch.rand(4, 1, width, generator=gen, device=CUDA) < 0.3, -0.0, s).to(torch.bfloat16)
+    visible = torch.tensor([width, width // 2, 300, 0], device=CUDA).view(4, 1, 1)
+    k = min(512, width)
+    none = torch.iinfo(torch.int32).max
+
+    def ascending(v):
+        return torch.sort(torch.where(v < 0, none, v), dim=-1).values
+
+    got = index_topk_triton(s, visible, k, 128)
+    assert torch.equal(ascending(got), ascending(index_topk_torch(s, visible, k, 128)))
+    assert torch.equal(torch.where(got < 0, none, got), ascending(got))
+    graph, out = torch.cuda.CUDAGraph(), None
+    with torch.cuda.graph(graph):
+        out = index_topk_triton(s, visible, k, 128)
+    graph.replay()
+    assert torch.equal(out, got)
+
+
 @pytest.mark.parametrize("batch", [1, 256])
 def test_window_kv_row_fused_equals_the_four_launches(batch):
     """The decode step's window-KV row in one launch (`triton_ops/window_kv.py`), compiled, at the
