@@ -245,7 +245,8 @@ class DeepseekV41DecodeRunner:
 
     def _once_per_call(self, key: tuple, scan: Callable[[], bool]) -> bool:
         """``scan()``, or inside :meth:`trusting` its first result for `key` in this call (keyed
-        also on the model's structure: a module, parameter or buffer registered since scans again)."""
+        also on the model's structure: a module, parameter or buffer registered since scans again;
+        the callers key on what else the scan reads, such as the numerics plan)."""
         found = getattr(_TRUSTED, "runners", {}).get(self)
         if found is None:
             return scan()
@@ -293,7 +294,7 @@ class DeepseekV41DecodeRunner:
             return False
         if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
             return False
-        return self._once_per_call(("replays", batch, device), lambda: all(
+        return self._once_per_call(("replays", batch, device, model.numerics), lambda: all(
             layer.attn.sparse_attention_graph_safe(device) and layer.ffn.runs_without_host_sync(batch, device)
             # Engram tables kept in host memory (`device_map` placing them on the CPU) are read
             # through host copies, which a graph cannot hold
@@ -320,7 +321,8 @@ class DeepseekV41DecodeRunner:
         if any(ring.device != device for ring in cache.rings):
             return None
         rows = batch * model.text_config.dspark_block_size
-        if not self._once_per_call(("draft", rows, device), lambda: self._draft_replays(model, rows, device)):
+        if not self._once_per_call(("draft", rows, device, model.numerics),
+                                   lambda: self._draft_replays(model, rows, device)):
             return None
         segment = cache.graphs.get("draft")
         if segment is None:

@@ -243,6 +243,7 @@ class DeepseekV41Indexer(nn.Module):
         scores = (scores.relu_() * weights.unsqueeze(-1)).sum(dim=2)
         blocks = None
         if self.is_candidate_source:
+            # the block maxima need the visible mask now (the top-k below applies it again)
             scores = scores.masked_fill(torch.arange(width, device=q.device) >= visible, -torch.inf)
             blocks = candidate_block_ids(scores, visible, self.candidate_topk_blocks, self.candidate_block_size)
             n_blocks = -(-width // self.candidate_block_size)
@@ -256,7 +257,7 @@ class DeepseekV41Indexer(nn.Module):
         # cache's capacity, a growing cache's bucket) nor on the other rows of the batch; the
         # positions from `visible` on score -inf (`triton_ops/index_topk.py`: one launch on CUDA)
         k = min(self.index_topk, width)
-        if self.numerics.backend("index_topk", q.device) == "triton" and index_topk_runs(scores, visible, k):
+        if self.numerics.backend("index_topk", q.device) == "triton" and index_topk_runs(scores, visible, k, offset):
             return index_topk_triton(scores, visible, k, offset), blocks
         return index_topk_torch(scores, visible, k, offset), blocks
 

@@ -252,6 +252,46 @@ def test_a_generate_call_scans_the_modules_once(fast, monkeypatch):
             handle.remove()
 
 
+def test_a_scan_runs_again_within_a_call_for_a_new_module_or_plan(fast, monkeypatch):
+    from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import apply_numerics
+
+    model, _ = fast
+    runner = model.decode_runner
+    scans = []
+
+    def scan():
+        scans.append(1)
+        return True
+
+    with runner.trusting():
+        assert runner._once_per_call(("probe",), scan) and runner._once_per_call(("probe",), scan)
+        assert len(scans) == 1
+        torch.nn.Module().register_buffer("probe", torch.zeros(1))  # any registration
+        runner._once_per_call(("probe",), scan)
+        assert len(scans) == 2
+    runner._once_per_call(("probe",), scan)
+    runner._once_per_call(("probe",), scan)
+    assert len(scans) == 4  # outside a call: every time
+    # the replay decision (the layers' kernels) is keyed on the plan too
+    checks = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    for layer in model.layers:
+        monkeypatch.setattr(layer.attn, "sparse_attention_graph_safe", lambda device: checks.append(1) or True)
+        monkeypatch.setattr(layer.ffn, "runs_without_host_sync", lambda batch, device: True)
+    cuda, plan = torch.device("cuda"), model.numerics
+    try:
+        with runner.trusting():
+            runner._replays(model, 1, cuda)
+            first = len(checks)
+            runner._replays(model, 1, cuda)
+            assert first >= 1 and len(checks) == first
+            apply_numerics(model, plan.replace(rope="torch"))
+            runner._replays(model, 1, cuda)
+            assert len(checks) == 2 * first
+    finally:
+        apply_numerics(model, plan)
+
+
 @pytest.mark.parametrize("window", [1, 8, 128])
 def test_window_index_list_from_a_device_position_equals_the_host_one(window):
     for start_pos in (1, 2, window - 1, window, window + 1, 3 * window + 5, 4097):

@@ -58,6 +58,23 @@ def test_a_shared_visible_count_strided_rows_and_infinite_scores():
     assert torch.equal(_ascending(got), _ascending(index_topk_torch(s, visible, 20, 0)))
 
 
+@pytest.mark.parametrize("layout", ["strided", "expanded", "flat"])
+def test_visible_counts_in_any_layout(layout):
+    s = _scores(3, 40, seed=4, ties=True)
+    counts = torch.tensor([40, 7, 0]) if layout != "expanded" else torch.tensor([9]).expand(3)
+    if layout == "strided":
+        visible = torch.stack([counts, torch.full_like(counts, 99)], 1)[:, 0].view(3, 1, 1)  # rows 2 apart
+        assert visible.reshape(-1).stride(0) == 2
+    elif layout == "expanded":
+        visible = counts.view(3, 1, 1)
+    else:
+        visible = counts
+    got = index_topk_triton(s, visible, 10, 3)
+    assert torch.equal(_ascending(got), _ascending(index_topk_torch(s, visible, 10, 3)))
+    per_row = index_topk_torch(s, counts.view(3, 1, 1), 10, 3)
+    assert torch.equal(_ascending(index_topk_torch(s, visible, 10, 3)), _ascending(per_row))
+
+
 def test_a_row_that_sees_nothing_keeps_only_unseen_positions():
     s = _scores(2, 32, seed=3, ties=False)
     got = index_topk_triton(s, torch.tensor([[[0]], [[32]]]), 8, 4)
@@ -77,13 +94,18 @@ def test_a_row_that_sees_nothing_keeps_only_unseen_positions():
         (lambda a: {**a, "visible": a["visible"].int()}, "int64"),
         (lambda a: {**a, "visible": torch.zeros(3, dtype=torch.long)}, "one int64 count per row"),
         (lambda a: {**a, "scores": [1.0]}, "must be tensors"),
+        (lambda a: {**a, "offset": -1}, "offset must be"),
+        (lambda a: {**a, "offset": 2**31 - 32}, "offset must be"),
+        (lambda a: {**a, "offset": 1.5}, "offset must be"),
+        (lambda a: {**a, "offset": None}, "offset must be"),
+        (lambda a: {**a, "scores": a["scores"].to("meta"), "visible": a["visible"].to("meta")}, "runs on CUDA"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(change, message):
-    args = change({"scores": _scores(2, 32, seed=0, ties=False), "visible": torch.tensor([5, 9]), "k": 8})
-    assert not index_topk.kernel_runs(args["scores"], args["visible"], args["k"])
+    args = change({"scores": _scores(2, 32, seed=0, ties=False), "visible": torch.tensor([5, 9]), "k": 8, "offset": 0})
+    assert not index_topk.kernel_runs(args["scores"], args["visible"], args["k"], args["offset"])
     with pytest.raises(IndexTopkError, match=message):
-        index_topk_triton(args["scores"], args["visible"], args["k"], 0)
+        index_topk_triton(args["scores"], args["visible"], args["k"], args["offset"])
 
 
 def test_the_decode_step_ranks_every_index_source_with_the_kernel(golden, monkeypatch):

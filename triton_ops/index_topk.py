@@ -16,7 +16,7 @@ one program per batch row, the row held in registers:
    ``position + offset`` where it is visible, else -1.
 
 The kept set is exactly the torch ops' (the same rule, the same comparisons on the same bf16
-values); the order of the list is ascending position, where `topk`'s unsorted order is its own.
+values; scores hold no NaN, which neither ranks meaningfully); the order of the list is ascending position, where `topk`'s unsorted order is its own.
 The attention then adds the same terms in another order, so the step's values are not bit for
 bit the torch ops' (the reason the model runs it in fast numerics only).
 
@@ -40,6 +40,7 @@ from .kernel_backend import kernel_interpreted, on_input_device, resolve_backend
 
 ENV_BACKEND = "DEEPSEEK_V41_INDEX_TOPK_BACKEND"
 MAX_WIDTH = 16384  # positions ranked per row (in registers): a static cache's rows up to 16K per ratio
+_INT32_MAX = torch.iinfo(torch.int32).max
 
 
 class IndexTopkError(ValueError):
@@ -49,12 +50,11 @@ class IndexTopkError(ValueError):
 if triton is not None:
 
     @triton.jit
-    def _index_topk_kernel(s_ptr, vis_ptr, out_ptr, W, K, offset, stride_s, VIS_STRIDE: tl.constexpr,
-                           BLOCK: tl.constexpr):
+    def _index_topk_kernel(s_ptr, vis_ptr, out_ptr, W, K, offset, stride_s, stride_v, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         t = tl.arange(0, BLOCK)
         in_row = t < W
-        visible = tl.load(vis_ptr + row * VIS_STRIDE)
+        visible = tl.load(vis_ptr + row * stride_v)
         bits = tl.load(s_ptr + row * stride_s + t, mask=in_row, other=0.0).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         bits = tl.where(t < visible, bits, 0xFF80)  # -inf where the query does not see the position
         bits = tl.where(bits == 0x8000, 0, bits)  # -0 ties with +0, as the comparisons of the values
@@ -110,8 +110,9 @@ def topk_ties_by_position(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def index_topk_torch(scores: torch.Tensor, visible: torch.Tensor, k: int, offset: int) -> torch.Tensor:
-    """The torch ops of :func:`index_topk_triton`: int32 ``[B, 1, k]``, the same positions in
-    `topk`'s unsorted order."""
+    """The torch ops of :func:`index_topk_triton` (the same arguments): int32 ``[B, 1, k]``, the
+    same positions in `topk`'s unsorted order."""
+    visible = visible.reshape(-1, 1, 1)  # one count per row, or one for all
     scores = scores.masked_fill(torch.arange(scores.size(-1), device=scores.device) >= visible, -torch.inf)
     picked = topk_ties_by_position(scores, k)
     return torch.where(picked < visible, picked + offset, -1).int()
@@ -122,7 +123,7 @@ def _kernel_is_interpreted() -> bool:
     return triton is not None and kernel_interpreted(_index_topk_kernel)
 
 
-def _problem(scores, visible, k) -> str | None:
+def _problem(scores, visible, k, offset) -> str | None:
     # what keeps `index_topk_triton` from taking these arguments (None: nothing)
     if not isinstance(scores, torch.Tensor) or not isinstance(visible, torch.Tensor):
         return "scores and visible must be tensors"
@@ -135,8 +136,12 @@ def _problem(scores, visible, k) -> str | None:
         return f"k must be an int from 1 to the width {width}, got {k!r}"
     if visible.dtype != torch.int64 or visible.numel() not in (1, batch):
         return f"visible must hold one int64 count per row (or one for all), got {visible.dtype} {tuple(visible.shape)}"
+    if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset <= _INT32_MAX - width:
+        return f"offset must be an int from 0 to {_INT32_MAX} - W (int32 indices), got {offset!r}"
     if scores.device != visible.device:
         return f"scores are on {scores.device}, visible on {visible.device}"
+    if scores.device.type not in ("cuda", "cpu"):
+        return f"index_topk_triton runs on CUDA (or the CPU under Triton's interpreter), got {scores.device.type}"
     if not triton_available():
         return "index_topk_triton needs the triton package, which is not installed"
     if scores.device.type != "cuda" and not (_kernel_is_interpreted() and triton_interpret_mode()):
@@ -145,10 +150,10 @@ def _problem(scores, visible, k) -> str | None:
     return None
 
 
-def kernel_runs(scores, visible, k) -> bool:
+def kernel_runs(scores, visible, k, offset) -> bool:
     """Whether :func:`index_topk_triton` takes these arguments (else it raises, naming why): the
     caller asks first and otherwise runs :func:`index_topk_torch`."""
-    return _problem(scores, visible, k) is None
+    return _problem(scores, visible, k, offset) is None
 
 
 @on_input_device
@@ -158,20 +163,22 @@ def index_topk_triton(scores: torch.Tensor, visible: torch.Tensor, k: int, offse
     Args:
         scores: bf16 ``[B, 1, W]`` index scores (any strides along B), W up to :data:`MAX_WIDTH`;
             no NaN.
-        visible: int64, one per row (``[B, 1, 1]``, ``[B]``) or one for all: the positions each
-            row's query sees; positions from it on score -inf (and are written as -1 if kept).
+        visible: int64, one per row (``[B, 1, 1]``, ``[B]``, any strides) or one for all: the
+            positions each row's query sees; positions from it on score -inf (and are written as
+            -1 if kept).
         k: positions kept per row, 1 to W.
-        offset: added to each kept visible position (the window rows before the compressed KV).
+        offset: int >= 0 added to each kept visible position (the window rows before the
+            compressed KV), ``offset + W`` within int32.
 
     Returns:
         int32 ``[B, 1, k]``: the kept positions plus `offset` in ascending position, -1 for kept
         positions that are not visible (a row seeing fewer than `k`).
 
     Raises:
-        IndexTopkError: other dtypes or shapes, W past the limit, k out of range, tensors on two
-            devices, Triton missing, or CPU tensors outside Triton's interpreter.
+        IndexTopkError: other dtypes or shapes, W past the limit, k or offset out of range,
+            tensors on two devices, Triton missing, or CPU tensors outside Triton's interpreter.
     """
-    problem = _problem(scores, visible, k)
+    problem = _problem(scores, visible, k, offset)
     if problem is not None:
         raise IndexTopkError(problem)
     batch, width = scores.size(0), scores.size(2)
@@ -179,7 +186,7 @@ def index_topk_triton(scores: torch.Tensor, visible: torch.Tensor, k: int, offse
     counts = visible.reshape(-1)
     out = torch.empty(batch, 1, k, dtype=torch.int32, device=scores.device)
     _index_topk_kernel[(batch,)](
-        src, counts, out, width, k, int(offset), src.stride(0), VIS_STRIDE=1 if counts.numel() > 1 else 0,
+        src, counts, out, width, k, offset, src.stride(0), counts.stride(0) if counts.numel() > 1 else 0,
         BLOCK=max(16, triton.next_power_of_2(width)), num_warps=8 if width > 2048 else 4,
     )
     return out
