@@ -320,6 +320,61 @@ def host_profile(model, inputs, device, steps: int = 16) -> None:
     print(f"host profile of {steps} decode steps:\n{text.getvalue()}", file=sys.stderr, flush=True)
 
 
+class _HostTimeline(TokenClock):
+    """Host timestamps of each token of a generate() call: the streamer's `put` (right after the
+    token's sync), the model's forward entered, the step's CUDA graph replayed, the forward left."""
+
+    def __init__(self):
+        super().__init__()
+        self.marks: list[tuple[str, float]] = []
+
+    def put(self, value) -> None:
+        super().put(value)
+        self.marks.append(("put", self.times[-1]))
+
+    def per_token(self) -> dict[str, float]:
+        """Median ms per token of each interval, over the tokens after the first two."""
+        puts = [i for i, (kind, _) in enumerate(self.marks) if kind == "put"]
+        parts = {"put -> forward entered": [], "forward entered -> graph replayed": [],
+                 "graph replayed -> forward left": [], "forward left -> next put": []}
+        for a, b in zip(puts[2:], puts[3:]):
+            at = dict(self.marks[a + 1 : b])
+            if {"enter", "replay", "exit"} <= at.keys():
+                ends = [self.marks[a][1], at["enter"], at["replay"], at["exit"], self.marks[b][1]]
+                for name, t0, t1 in zip(parts, ends, ends[1:]):
+                    parts[name].append(t1 - t0)
+        return {name: 1e3 * statistics.median(v) for name, v in parts.items() if v}
+
+
+def host_timeline(model, inputs, device, steps: int) -> list[str]:
+    """Where a token's time goes inside generate() (`--host-timeline`): medians of the host intervals
+    between a token's sync and the next (`_HostTimeline`); the GPU waits for the host from the
+    `put` to the replay."""
+    timeline = _HostTimeline()
+    inner = type(model.model)
+    plain_forward, plain_replay = inner.forward, torch.cuda.CUDAGraph.replay
+
+    def forward(self, *args, **kwargs):
+        timeline.marks.append(("enter", time.perf_counter()))
+        try:
+            return plain_forward(self, *args, **kwargs)
+        finally:
+            timeline.marks.append(("exit", time.perf_counter()))
+
+    def replay(self):
+        timeline.marks.append(("replay", time.perf_counter()))
+        return plain_replay(self)
+
+    timed_generate(model, inputs, steps, device)  # warm-up: this length's cache and graph
+    inner.forward, torch.cuda.CUDAGraph.replay = forward, replay
+    try:
+        timed_generate(model, inputs, steps, device, streamer=timeline)
+    finally:
+        inner.forward, torch.cuda.CUDAGraph.replay = plain_forward, plain_replay
+    return [f"- host timeline of a token in generate() (median of {steps - 3} tokens): "
+            + ", ".join(f"{name} {ms:.2f} ms" for name, ms in timeline.per_token().items())]
+
+
 @torch.no_grad()
 def vision_ms(model, processor, device, reps: int) -> tuple[str, float, float | None]:
     """The ViT + aligner on the largest image the token budget allows (93 x 93 patches): the grid,
@@ -378,9 +433,15 @@ def main(argv=None) -> int:
                              "case and its profile as written, then compiled, in one run")
     parser.add_argument("--host-profile", action="store_true",
                         help="also cProfile the host side of decode steps of the image case (stderr)")
+    parser.add_argument("--host-timeline", action="store_true",
+                        help="also time the host intervals of a token inside generate() (image case, CUDA)")
     args = parser.parse_args(argv)
     if (args.profile or args.profile_distinct) and args.device == "cpu":
         parser.error("--profile reads CUDA kernel times: it needs a CUDA device")
+    if args.host_timeline and args.device == "cpu":
+        parser.error("--host-timeline times the replay of CUDA graphs: it needs a CUDA device")
+    if args.host_timeline and args.steps < 5:
+        parser.error("--host-timeline needs --steps of at least 5 (it drops the first tokens)")
     if args.reps < 1:
         parser.error("--reps must be at least 1 (each timing is the median of --reps runs)")
     if args.steps < 2:
@@ -457,6 +518,9 @@ def main(argv=None) -> int:
         lines += ["", *dspark_lines(model, chat_inputs(processor, [(TEXT, [photo])], device), device, args.reps, args.steps), ""]
     if args.host_profile:
         host_profile(model, chat_inputs(processor, [(TEXT, [photo])], device), device)
+    if args.host_timeline:
+        lines += ["", *host_timeline(model, chat_inputs(processor, [(TEXT, [photo])], device), device, args.steps), ""]
+        print("\n".join(lines[-3:]), flush=True)
     if "text" in args.cases:
         row("short text prompt", chat_inputs(processor, [("Name three colours.", [])], device), loop=True)
     if "long" in args.cases:
