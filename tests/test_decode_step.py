@@ -218,7 +218,7 @@ def test_a_step_called_directly_is_checked_as_a_forward(fast):
     assert cache.get_seq_length() == 21  # nothing was written
 
 
-def test_a_generate_call_scans_the_modules_once(fast, monkeypatch):
+def test_a_trusted_call_scans_the_modules_once(fast, monkeypatch):
     # hooks, devices, offload: scanned at the first step of a call (`trusting`), not at every step;
     # a hook registered during a call takes the layer-by-layer forward from the next call on
     model, ids = fast
@@ -250,6 +250,20 @@ def test_a_generate_call_scans_the_modules_once(fast, monkeypatch):
     finally:
         if handle is not None:
             handle.remove()
+
+
+def test_generate_scans_the_modules_at_its_first_step_only(tiny_model, monkeypatch):
+    runner = tiny_model.model.decode_runner
+    scans, steps = [], []
+    placed, step = runner._placed_for_steps, runner.step
+    monkeypatch.setattr(runner, "_placed_for_steps", lambda m: scans.append(1) or placed(m))
+    monkeypatch.setattr(runner, "step", lambda *a, **k: steps.append(1) or step(*a, **k))
+    prompt = torch.randint(0, 400, (1, 20), generator=torch.Generator().manual_seed(20))
+    with _fast(tiny_model):
+        tiny_model.generate(prompt, do_sample=False, max_new_tokens=6)
+        assert (len(scans), len(steps)) == (1, 5)
+        tiny_model.generate(prompt, do_sample=False, max_new_tokens=3)  # the next call scans again
+        assert (len(scans), len(steps)) == (2, 7)
 
 
 def test_a_scan_runs_again_within_a_call_for_a_new_module_or_plan(fast, monkeypatch):
