@@ -332,7 +332,7 @@ class _HostTimeline(TokenClock):
         super().put(value)
         self.marks.append(("put", self.times[-1]))
 
-    def per_token(self) -> dict[str, float]:
+    def intervals(self) -> dict[str, float]:
         """Median ms per token of each interval, over the tokens after the first two."""
         puts = [i for i, (kind, _) in enumerate(self.marks) if kind == "put"]
         parts = {"put -> forward entered": [], "forward entered -> graph replayed": [],
@@ -372,7 +372,7 @@ def host_timeline(model, inputs, device, steps: int) -> list[str]:
     finally:
         inner.forward, torch.cuda.CUDAGraph.replay = plain_forward, plain_replay
     return [f"- host timeline of a token in generate() (median of {steps - 3} tokens): "
-            + ", ".join(f"{name} {ms:.2f} ms" for name, ms in timeline.per_token().items())]
+            + ", ".join(f"{name} {ms:.2f} ms" for name, ms in timeline.intervals().items())]
 
 
 @torch.no_grad()

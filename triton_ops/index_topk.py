@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
-from .kernel_backend import kernel_interpreted, on_input_device, resolve_backend, triton_available, triton_interpret_mode
+from .kernel_backend import kernel_interpreted, on_input_device, unrunnable
 
 ENV_BACKEND = "DEEPSEEK_V41_INDEX_TOPK_BACKEND"
 MAX_WIDTH = 16384  # positions ranked per row (in registers): a static cache's rows up to 16K per ratio
@@ -74,16 +74,6 @@ if triton is not None:
         slot = tl.cumsum(keep.to(tl.int32), axis=0) - 1
         value = tl.where(t < visible, t + offset, -1)
         tl.store(out_ptr + row * K + slot, value.to(tl.int32), mask=keep)
-
-
-def resolve_index_topk_backend(backend: str | None, device: torch.device) -> str:
-    """``"triton"`` or ``"torch"`` for tensors on `device`; ``None`` / ``"auto"`` read
-    ``DEEPSEEK_V41_INDEX_TOPK_BACKEND`` first, then pick Triton on CUDA (`kernel_backend`).
-
-    Raises:
-        IndexTopkError: an unknown backend name (argument or environment variable).
-    """
-    return resolve_backend(backend, device, env_var=ENV_BACKEND, error=IndexTopkError, what="index top-k")
 
 
 def topk_ties_by_position(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -142,12 +132,7 @@ def _problem(scores, visible, k, offset) -> str | None:
         return f"scores are on {scores.device}, visible on {visible.device}"
     if scores.device.type not in ("cuda", "cpu"):
         return f"index_topk_triton runs on CUDA (or the CPU under Triton's interpreter), got {scores.device.type}"
-    if not triton_available():
-        return "index_topk_triton needs the triton package, which is not installed"
-    if scores.device.type != "cuda" and not (_kernel_is_interpreted() and triton_interpret_mode()):
-        return (f"index_topk_triton needs CUDA tensors (got {scores.device.type}) or Triton's interpreter "
-                "(TRITON_INTERPRET=1 before this module is imported)")
-    return None
+    return unrunnable(scores.device, _kernel_is_interpreted(), "index_topk_triton")
 
 
 def kernel_runs(scores, visible, k, offset) -> bool:
@@ -199,6 +184,5 @@ __all__ = [
     "index_topk_torch",
     "index_topk_triton",
     "kernel_runs",
-    "resolve_index_topk_backend",
     "topk_ties_by_position",
 ]

@@ -43,6 +43,18 @@ def kernel_interpreted(kernel) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
+def unrunnable(device: torch.device, interpreted: bool, what: str) -> str | None:
+    """Why a Triton kernel cannot run on tensors of `device`, or None: Triton missing, or a
+    non-CUDA device while the kernel is not interpreted (`interpreted`: defined under the
+    interpreter, `kernel_interpreted`) or the interpreter is off. `what` names the op."""
+    if not triton_available():
+        return f"{what} needs the triton package, which is not installed"
+    if device.type != "cuda" and not (interpreted and triton_interpret_mode()):
+        return (f"{what} needs CUDA tensors (got {device.type}) or Triton's interpreter "
+                "(TRITON_INTERPRET=1 before this module is imported)")
+    return None
+
+
 def resolve_backend(
     backend: str | None, device: torch.device, *, env_var: str, error: type[Exception], what: str
 ) -> str:

@@ -80,7 +80,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     tl = None
 
 from .formats import BLOCK as GROUP  # activation group / weight scale block along K
-from .kernel_backend import kernel_interpreted, on_input_device, resolve_backend, triton_available, triton_interpret_mode
+from .kernel_backend import kernel_interpreted, on_input_device, resolve_backend, unrunnable
 
 ENV_BACKEND = "DEEPSEEK_V41_QUANT_LINEAR_BACKEND"
 # Rows (tokens) up to which DeepseekV41Linear uses the kernel: one 16-row MMA tile. Beyond that the
@@ -608,14 +608,10 @@ def quantized_linear_triton(
             interpreter (``TRITON_INTERPRET=1`` before this module is imported).
     """
     n, k = _check_args(x, weight, scale, weight_dtype)
-    if not triton_available():
-        raise QuantLinearError("the quantized-linear kernel needs the triton package, which is not installed")
     interpreted = _kernel_is_interpreted()
-    if x.device.type != "cuda" and not (interpreted and triton_interpret_mode()):
-        raise QuantLinearError(
-            f"the quantized-linear kernel needs CUDA tensors (got {x.device.type}) or Triton's interpreter "
-            "(TRITON_INTERPRET=1 before this module is imported)"
-        )
+    problem = unrunnable(x.device, interpreted, "the quantized-linear kernel")
+    if problem is not None:
+        raise QuantLinearError(problem)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, k)
     if x2d.stride(-1) != 1:

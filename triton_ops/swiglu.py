@@ -38,7 +38,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     triton = None
     tl = None
 
-from .kernel_backend import kernel_interpreted, on_input_device, triton_available, triton_interpret_mode
+from .kernel_backend import kernel_interpreted, on_input_device, triton_interpret_mode, unrunnable
 
 if triton is not None:
     from .fake_quant import _bf16_to_fp32
@@ -102,15 +102,10 @@ def _runnable(name: str, device: torch.device) -> bool:
     Raises:
         SwiGLUKernelError: Triton missing, or a CPU tensor outside Triton's interpreter.
     """
-    if not triton_available():
-        raise SwiGLUKernelError(f"{name} needs the triton package, which is not installed")
-    interpreted = _kernel_is_interpreted() and triton_interpret_mode()
-    if device.type != "cuda" and not interpreted:
-        raise SwiGLUKernelError(
-            f"{name} needs CUDA tensors (got {device.type}) or Triton's interpreter "
-            "(TRITON_INTERPRET=1 before this module is imported)"
-        )
-    return interpreted
+    problem = unrunnable(device, _kernel_is_interpreted(), name)
+    if problem is not None:
+        raise SwiGLUKernelError(problem)
+    return _kernel_is_interpreted() and triton_interpret_mode()
 
 
 @on_input_device

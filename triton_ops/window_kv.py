@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
     tl = None
 
 from .formats import BLOCK as FP8_GROUP
-from .kernel_backend import kernel_interpreted, on_input_device, triton_available, triton_interpret_mode
+from .kernel_backend import kernel_interpreted, on_input_device, unrunnable
 
 if triton is not None:
     from .fake_quant import _bf16_to_fp32
@@ -143,12 +143,7 @@ def _problem(kv, weight, freqs_cis, ring, slot) -> str | None:
         return "kv, weight, freqs_cis, ring and slot must be on one device"
     if torch.is_grad_enabled() and (kv.requires_grad or ring.requires_grad or weight.requires_grad):
         return "autograd records these tensors: the kernel has no backward"
-    if not triton_available():
-        return "window_kv_row_triton needs the triton package, which is not installed"
-    if kv.device.type != "cuda" and not (_kernel_is_interpreted() and triton_interpret_mode()):
-        return (f"window_kv_row_triton needs CUDA tensors (got {kv.device.type}) or Triton's interpreter "
-                "(TRITON_INTERPRET=1 before this module is imported)")
-    return None
+    return unrunnable(kv.device, _kernel_is_interpreted(), "window_kv_row_triton")
 
 
 def kernel_runs(kv, weight, freqs_cis, ring, slot) -> bool:
