@@ -413,7 +413,11 @@ def sharded_load_config(config_class, path, kwargs: dict):
 
 def _start_process_group() -> None:
     """The default process group from torchrun's environment (NCCL where CUDA is available, else
-    gloo), unless one is started; each rank on its ``LOCAL_RANK`` GPU before NCCL binds one."""
+    gloo), unless one is started; each rank on its ``LOCAL_RANK`` GPU before NCCL binds one.
+
+    A group started here is destroyed when the program ends (:func:`_destroy_at_exit`); one the
+    program started stays the program's to destroy."""
+    import atexit
     import os
 
     import torch.distributed as dist
@@ -426,6 +430,25 @@ def _start_process_group() -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        atexit.register(_destroy_at_exit, dist.group.WORLD)
+
+
+def _destroy_at_exit(group) -> None:
+    """Destroy `group`, the default process group :func:`_start_process_group` started, at a normal
+    exit, while the interpreter is whole. A program that ends without
+    ``destroy_process_group`` leaves gloo's worker threads to the interpreter's teardown, which at
+    times aborts the process (SIGABRT, "terminate called without an active exception") after
+    its work is done. Nothing is done when the program destroyed the group itself, or when it
+    ends on an uncaught exception (another rank may still wait in a collective, and a teardown
+    then could hang instead of exiting)."""
+    import sys
+
+    import torch.distributed as dist
+
+    if getattr(sys, "last_value", None) is not None:
+        return
+    if dist.is_initialized() and dist.group.WORLD is group:
+        dist.destroy_process_group()
 
 
 def rank_device(shard: DeepseekV41Shard) -> torch.device:

@@ -283,6 +283,41 @@ def test_the_readme_example_runs_as_written_on_two_ranks(converted_tiny_fp8, tmp
     assert texts[0] and texts[1] == texts[0], texts
 
 
+_EXIT_PROBE = """
+import atexit, sys
+import torch.distributed as dist
+from deepseek_v41_vl.modeling.parallel_deepseek_v41_vl import _start_process_group
+
+# registered first, so it runs after the load's handler (atexit runs handlers last in, first out)
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
+if sys.argv[1] == "program":
+    dist.init_process_group("gloo")
+_start_process_group()
+if sys.argv[1] == "raises":
+    raise RuntimeError("the program failed")
+"""
+
+
+@pytest.mark.parametrize(
+    "how, initialized",
+    [("load", False), ("program", True), ("raises", True)],
+)
+def test_a_process_group_the_load_started_is_destroyed_at_exit(how, initialized, tmp_path):
+    """The default group a rank's load started is destroyed at a normal exit (left to the
+    interpreter's teardown, gloo at times aborts the process after its work is done); one the
+    program started stays the program's, and a program ending on an uncaught exception is left
+    as it is."""
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    done = subprocess.run([sys.executable, "-c", _EXIT_PROBE, how], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == (1 if how == "raises" else 0), done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == f"initialized at exit: {initialized}", done.stdout
+
+
 def test_readme_memory_table_is_what_the_model_holds():
     """README's weights per GPU (4x H200, 8x H100) are what rank 0 of the released model holds
     (`benchmarks/parallel_memory.py`, the sharding a load runs, on the meta device)."""
