@@ -107,7 +107,7 @@ class DeepseekV41Transformer(DeepseekV41ImageInputsMixin, DeepseekV41DraftMixin,
         if self.vision_enabled:
             with default_dtype(torch.bfloat16):
                 self.vision = DeepseekV41VisionTransformer(config.vision_config, numerics)
-                self.aligner = DeepseekV41VisionAligner(config.vision_config)
+                self.aligner = DeepseekV41VisionAligner(config.vision_config, numerics)
             for name in ("image_start", "image_end", "image_newline"):
                 self.register_parameter(name, nn.Parameter(torch.empty(dim, dtype=torch.bfloat16)))
 

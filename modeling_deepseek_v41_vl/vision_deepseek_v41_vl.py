@@ -20,6 +20,12 @@ Each image runs through the tower on its own (attention, like every other op, ne
 images), so adding an image to a call leaves the others' outputs bit-identical and the attention
 memory is quadratic only in the largest image's patch count.
 
+Fast numerics on CUDA pack the images of a call instead (:func:`packs_images`): the row-wise
+ops (patch stem, norms, projections, MLP, RoPE, the aligner's projections) run once over all of
+them, and only the attention runs per image, over each image's slice of the rows. Attention still
+never mixes images; the GEMMs see more rows, so an image's bits may differ from its one-image
+call, as fast numerics allow.
+
 Submodule names equal the checkpoint names (`vision.patch_embed.proj.weight`,
 `vision.blocks.{i}.attn.wqkv.weight`, `aligner.w1.weight`, ...), so weights load unrenamed.
 Parameter dtypes follow torch's default dtype (bf16 in the reference), except the RMSNorm
@@ -55,6 +61,14 @@ from .numerics_deepseek_v41_vl import DeepseekV41Numerics, as_numerics
 
 class DeepseekV41VisionInputError(ValueError):
     """`pixel_values` / `image_grid_thw` that do not describe a batch of images."""
+
+
+def packs_images(numerics: DeepseekV41Numerics, device: torch.device, n_images: int) -> bool:
+    """Whether a call runs its `n_images` images through the tower packed (the row-wise ops once
+    over all images, the attention per image) rather than one image after another: in fast
+    numerics on CUDA, for more than one image. Exact numerics and the CPU keep the reference's
+    per-image loop, bit for bit."""
+    return n_images > 1 and device.type == "cuda" and not numerics.exact
 
 
 def vision_grids(image_grid_thw: torch.Tensor | Sequence[Sequence[int]], num_patches: int) -> list[tuple[int, int]]:
@@ -148,20 +162,33 @@ class DeepseekV41VisionAttention(nn.Module):
         self.wo = nn.Linear(config.hidden_size, config.hidden_size)
         self.numerics = as_numerics(numerics)
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """hidden_states [N, D] of one image, cos/sin fp32 [N, 1, head_dim/2] -> [N, D]."""
+    def forward(
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """hidden_states [N, D], cos/sin fp32 [N, 1, head_dim/2] -> [N, D].
+
+        `segments`: the patch counts of the images packed in the N rows, in order (they sum to
+        N); each attends only to its own rows. None: the rows are one image."""
         n = hidden_states.shape[0]
         q, k, v = (t.view(n, self.num_heads, self.head_dim) for t in self.wqkv(hidden_states).chunk(3, dim=-1))
         q, k = apply_vision_rope(q, k, cos, sin, backend=self.numerics.backend("vision_rope", q.device))
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, N, head_dim], as the reference
-        if q.is_cuda:
-            # PyTorch's fused (flash / memory-efficient) SDPA kernels take only 4-D inputs; a 3-D
-            # call falls back to the fp32 math path, about 15x slower on an H200.
-            out = F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+        if segments is None:
+            out = _image_attention(q, k, v)
         else:
-            # the reference's exact call: on the CPU this keeps the tower bit-identical to it
-            out = F.scaled_dot_product_attention(q, k, v)
+            images = zip(q.split(segments, dim=1), k.split(segments, dim=1), v.split(segments, dim=1))
+            out = torch.cat([_image_attention(*image) for image in images], dim=1)
         return self.wo(out.transpose(0, 1).reshape(n, -1))
+
+
+def _image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Bidirectional SDPA over one image: q, k, v [heads, N, head_dim] -> [heads, N, head_dim]."""
+    if q.is_cuda:
+        # PyTorch's fused (flash / memory-efficient) SDPA kernels take only 4-D inputs; a 3-D
+        # call falls back to the fp32 math path, about 15x slower on an H200.
+        return F.scaled_dot_product_attention(q[None], k[None], v[None])[0]
+    # the reference's exact call: on the CPU this keeps the tower bit-identical to it
+    return F.scaled_dot_product_attention(q, k, v)
 
 
 class DeepseekV41VisionMLP(nn.Module):
@@ -198,9 +225,12 @@ class DeepseekV41VisionBlock(GradientCheckpointingLayer):
         self.norm2 = DeepseekV41VisionRMSNorm(config.hidden_size, config.rms_norm_eps, numerics)
         self.mlp = DeepseekV41VisionMLP(config, numerics)
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """hidden_states [N, D] -> [N, D]; `segments` as :meth:`DeepseekV41VisionAttention.forward`."""
         with on_device(hidden_states.device):
-            hidden_states = hidden_states + self.attn(self.norm1(hidden_states), cos, sin)
+            hidden_states = hidden_states + self.attn(self.norm1(hidden_states), cos, sin, segments)
             return hidden_states + self.mlp(self.norm2(hidden_states))
 
 
@@ -208,14 +238,15 @@ class DeepseekV41VisionTransformer(nn.Module):
     """The ViT: patch stem, `num_hidden_layers` blocks with 2D RoPE, final RMSNorm.
 
     Mirrors `inference/vision.py: ViT` (checkpoint prefix `vision.`), looped over the images of
-    a packed batch. `numerics`: the model's plan (its ``vision_rope`` backend; the tower's other
-    ops have one implementation).
+    a packed batch, or with them packed (:func:`packs_images`). `numerics`: the model's plan (its
+    mode, which decides the packing, and its ``vision_rope`` and ``swiglu`` backends).
     """
 
     def __init__(self, config: DeepseekV41VisionConfig, numerics: DeepseekV41Numerics | str = "fast"):
         super().__init__()
         self.config = config
         numerics = as_numerics(numerics)
+        self.numerics = numerics
         self.patch_embed = DeepseekV41VisionPatchEmbed(config)
         self.rotary_emb = DeepseekV41VisionRotaryEmbedding(config)
         self.blocks = nn.ModuleList(DeepseekV41VisionBlock(config, numerics) for _ in range(config.num_hidden_layers))
@@ -231,12 +262,30 @@ class DeepseekV41VisionTransformer(nn.Module):
         the final-norm output (the return value; transformers' convention, as in the language
         model's `hidden_states`). Collecting them changes no value.
         """
+        return self.forward_packed(patches, [(n_h, n_w)], states)
+
+    def forward_packed(
+        self, patches: torch.Tensor, grids: Sequence[tuple[int, int]], states: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Images in one pass: patches [sum n_h * n_w, 588] in the model dtype, images one after
+        another, `grids` their (n_h, n_w) -> [sum n_h * n_w, hidden_size]. The row-wise ops run
+        once over all rows; the attention runs per image over its rows. With several images, each
+        image's result is its :meth:`forward_image` up to the GEMMs' rounding over more rows (fast
+        numerics); one image is :meth:`forward_image`.
+
+        `states`, when given, receives the hidden states as :meth:`forward_image` does, each over
+        all images' rows, in order.
+        """
         hidden_states = self.patch_embed(patches)
-        cos, sin = self.rotary_emb(n_h, n_w, hidden_states.device)
+        tables = [self.rotary_emb(h, w, hidden_states.device) for h, w in grids]
+        if len(grids) == 1:
+            (cos, sin), segments = tables[0], None
+        else:
+            (cos, sin), segments = (torch.cat(table) for table in zip(*tables)), [h * w for h, w in grids]
         if states is not None:
             states.append(hidden_states)
         for index, block in enumerate(self.blocks):
-            hidden_states = block(hidden_states, cos, sin)
+            hidden_states = block(hidden_states, cos, sin, segments)
             if states is not None and index < len(self.blocks) - 1:
                 states.append(hidden_states)
         hidden_states = self.norm(hidden_states)
@@ -265,6 +314,9 @@ class DeepseekV41VisionTransformer(nn.Module):
             return self(pixel_values, image_grid_thw), None
         patches = self.check_pixel_values(pixel_values)
         grids = vision_grids(image_grid_thw, patches.shape[0])
+        if packs_images(self.numerics, patches.device, len(grids)):
+            states = []
+            return self.forward_packed(patches, grids, states), tuple(states)
         per_image = []
         for x, (h, w) in zip(patches.split([h * w for h, w in grids]), grids):
             per_image.append([])
@@ -291,6 +343,8 @@ class DeepseekV41VisionTransformer(nn.Module):
         """
         patches = self.check_pixel_values(pixel_values)
         grids = vision_grids(image_grid_thw, patches.shape[0])
+        if packs_images(self.numerics, patches.device, len(grids)):
+            return self.forward_packed(patches, grids)
         chunks = patches.split([h * w for h, w in grids])
         return torch.cat([self.forward_image(x, h, w) for x, (h, w) in zip(chunks, grids)])
 
@@ -337,18 +391,24 @@ class DeepseekV41VisionAligner(nn.Module):
 
     Mirrors `inference/vision.py: Aligner` (checkpoint prefix `aligner.`); w1 is
     hidden_size * r^2 -> out_hidden_size, w2 out_hidden_size -> out_hidden_size, both with bias.
+    `numerics`: the model's plan (its mode decides the packing, :func:`packs_images`).
     """
 
-    def __init__(self, config: DeepseekV41VisionConfig):
+    def __init__(self, config: DeepseekV41VisionConfig, numerics: DeepseekV41Numerics | str = "fast"):
         super().__init__()
         self.downsample_ratio = config.downsample_ratio
+        self.numerics = as_numerics(numerics)
         self.unfold = DeepseekV41VisionPatchUnfold(config.downsample_ratio)
         self.w1 = nn.Linear(config.hidden_size * config.downsample_ratio**2, config.out_hidden_size)
         self.w2 = nn.Linear(config.out_hidden_size, config.out_hidden_size)
 
     def forward_image(self, hidden_states: torch.Tensor, n_h: int, n_w: int) -> torch.Tensor:
         """One image: [n_h * n_w, hidden_size] -> [n_llm_h * n_llm_w, out_hidden_size]."""
-        return self.w2(F.gelu(self.w1(self.unfold(hidden_states, n_h, n_w))))
+        return self.project(self.unfold(hidden_states, n_h, n_w))
+
+    def project(self, cells: torch.Tensor) -> torch.Tensor:
+        """Unfolded cells [M, hidden_size * r^2] -> [M, out_hidden_size]: w1 -> erf GELU -> w2."""
+        return self.w2(F.gelu(self.w1(cells)))
 
     def forward(
         self, hidden_states: torch.Tensor, image_grid_thw: torch.Tensor | Sequence[Sequence[int]]
@@ -360,6 +420,8 @@ class DeepseekV41VisionAligner(nn.Module):
         """
         grids = vision_grids(image_grid_thw, hidden_states.shape[0])
         chunks = hidden_states.split([h * w for h, w in grids])
+        if packs_images(self.numerics, hidden_states.device, len(grids)):
+            return self.project(torch.cat([self.unfold(x, h, w) for x, (h, w) in zip(chunks, grids)]))
         return torch.cat([self.forward_image(x, h, w) for x, (h, w) in zip(chunks, grids)])
 
 
@@ -374,6 +436,7 @@ __all__ = [
     "DeepseekV41VisionRMSNorm",
     "DeepseekV41VisionRotaryEmbedding",
     "DeepseekV41VisionTransformer",
+    "packs_images",
     "vision_grids",
     "vision_rope_tables",
 ]

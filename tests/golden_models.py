@@ -128,8 +128,9 @@ class VisionTower(nn.Module):
     def __init__(self, config, numerics: DeepseekV41Numerics | str = "fast"):
         super().__init__()
         self.config = config
-        self.vision = DeepseekV41VisionTransformer(config, as_numerics(numerics))
-        self.aligner = DeepseekV41VisionAligner(config)
+        numerics = as_numerics(numerics)
+        self.vision = DeepseekV41VisionTransformer(config, numerics)
+        self.aligner = DeepseekV41VisionAligner(config, numerics)
 
     def llm_grids(self, image_grid_thw) -> list[tuple[int, int]]:
         return [llm_grid(h, w, self.config.downsample_ratio) for h, w in parse_image_grid(image_grid_thw)]

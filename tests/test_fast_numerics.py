@@ -127,3 +127,4 @@ def test_a_numerics_switch_reaches_the_vision_tower_and_keeps_chosen_backends(go
     with torch.no_grad():
         model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])  # the image path switches too
     assert model.vision.blocks[0].attn.numerics.mode == "fast" and features.shape[0] > 0
+    assert model.vision.numerics is model.aligner.numerics is model.vision.blocks[0].attn.numerics  # its packing too

@@ -21,10 +21,12 @@ from deepseek_v41_vl.modeling.vision_deepseek_v41_vl import (
     DeepseekV41VisionInputError,
     DeepseekV41VisionPatchUnfold,
     DeepseekV41VisionTransformer,
+    packs_images,
     vision_rope_tables,
 )
+import deepseek_v41_vl.modeling.vision_deepseek_v41_vl as vision_module
 from deepseek_v41_vl.modeling.image_spans_deepseek_v41_vl import llm_grid, parse_image_grid
-from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import DeepseekV41Numerics, DeepseekV41NumericsError
+from deepseek_v41_vl.modeling.numerics_deepseek_v41_vl import DeepseekV41Numerics, DeepseekV41NumericsError, as_numerics
 from golden_bits import LOCAL_REL_L2, assert_golden
 from golden_models import VisionTower
 from helpers import rel_l2
@@ -164,6 +166,68 @@ def test_patches_of_one_image_do_not_reach_another(tower, inputs):
     n0 = 6 * 7
     assert torch.equal(base[:n0], moved[:n0])
     assert not torch.equal(base[n0:], moved[n0:])
+
+
+# ------------------------------------------------------------------------------------------------
+# fast numerics on CUDA: the images of a call packed (the row-wise ops once, attention per image)
+# ------------------------------------------------------------------------------------------------
+def test_packing_is_for_several_images_in_fast_numerics_on_cuda():
+    fast, exact = as_numerics("fast"), as_numerics("exact")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert packs_images(fast, cuda, 2)
+    assert not packs_images(fast, cuda, 1)
+    assert not packs_images(exact, cuda, 3)  # the reference's loop
+    assert not packs_images(fast, cpu, 3)  # the CPU keeps the golden bits
+
+
+@pytest.fixture
+def packing(monkeypatch):
+    """The packed path forced on the CPU (it is chosen on CUDA only)."""
+    monkeypatch.setattr(vision_module, "packs_images", lambda numerics, device, n_images: n_images > 1)
+
+
+def test_packed_images_are_the_per_image_tower(tower, inputs, golden_outputs, monkeypatch):
+    pixel_values, grids = inputs
+    with torch.inference_mode():
+        looped_vit, looped_states = tower.vision.forward_with_hidden_states(torch.cat(pixel_values), grids)
+        looped = tower.aligner(looped_vit, grids)
+        calls = []
+        monkeypatch.setattr(vision_module, "_image_attention", _counting(vision_module._image_attention, calls))
+        monkeypatch.setattr(vision_module, "packs_images", lambda numerics, device, n_images: n_images > 1)
+        packed_vit, packed_states = tower.vision.forward_with_hidden_states(torch.cat(pixel_values), grids)
+        # one attention per image and block, over that image's rows
+        assert calls == [n for _ in tower.vision.blocks for n in _patch_counts(grids)]
+        packed = tower.aligner(packed_vit, grids)
+        assert torch.equal(tower(torch.cat(pixel_values), grids), packed)
+    assert len(packed_states) == len(looped_states) == len(tower.vision.blocks) + 1
+    for ours, theirs in zip(packed_states, looped_states):
+        assert ours.shape == theirs.shape and rel_l2(ours, theirs) < 1e-2
+    assert packed.shape == looped.shape and rel_l2(packed, looped) < 1e-2
+    ref = torch.cat([golden_outputs["image0.aligner_out"], golden_outputs["image1.aligner_out"]])
+    assert rel_l2(packed, ref) < 1e-2
+
+
+def test_packed_images_do_not_reach_each_other(tower, inputs, packing):
+    (pv0, pv1), grids = inputs
+    with torch.inference_mode():
+        base = tower(torch.cat([pv0, pv1]), grids)
+        moved = tower(torch.cat([pv0, pv1.flip(0)]), grids)
+        moved_first = tower(torch.cat([pv0.flip(0), pv1]), grids)
+    n0 = 6 * 7
+    assert torch.equal(base[:n0], moved[:n0]) and not torch.equal(base[n0:], moved[n0:])
+    assert torch.equal(base[n0:], moved_first[n0:]) and not torch.equal(base[:n0], moved_first[:n0])
+
+
+def _patch_counts(grids) -> list[int]:
+    return [h * w for _, h, w in grids]
+
+
+def _counting(attention, calls: list):
+    def counted(q, k, v):
+        calls.append(q.shape[1])
+        return attention(q, k, v)
+
+    return counted
 
 
 # ------------------------------------------------------------------------------------------------
