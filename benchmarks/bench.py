@@ -53,6 +53,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flops import vision_flops  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 SECTIONS = ("ceilings", "rope", "routing", "vision", "layers", "attention", "decoder")
 
@@ -317,21 +320,14 @@ def section_routing(device, quick, results) -> str:
 
 
 # --------------------------------------------------------------------------------- vision
-def vision_flops(n_h: int, n_w: int, config) -> float:
-    """Matmul FLOPs of one image through the ViT and aligner (2 per multiply-add)."""
-    n, d, i = n_h * n_w, config.hidden_size, config.intermediate_size
-    r = config.downsample_ratio
-    cells = -(-n_h // r) * -(-n_w // r)
-    per_block = 2 * n * (d * 3 * d + d * d + d * 2 * i + i * d) + 4 * n * n * d  # projections + QK^T, PV
-    stem = 2 * n * 3 * config.patch_size**2 * d
-    aligner = 2 * cells * (d * r * r * config.out_hidden_size + config.out_hidden_size**2)
-    return stem + config.num_hidden_layers * per_block + aligner
-
-
-def _attention_forward_4d(self, hidden_states, cos, sin):
+def _attention_forward_4d(self, hidden_states, cos, sin, segments=None):
     """The shipped attention with q, k, v passed to SDPA as [1, H, N, hd] (4-D) instead of
-    [H, N, hd]: PyTorch's flash / memory-efficient kernels accept only 4-D inputs."""
+    [H, N, hd]: PyTorch's flash / memory-efficient kernels accept only 4-D inputs. One image a
+    call (this section's calls), so `segments` is None."""
     from deepseek_v41_vl.triton_ops.vision_rope import apply_vision_rope
+
+    if segments is not None:
+        raise ValueError("the 4-D SDPA variant takes one image a call")
 
     n = hidden_states.shape[0]
     q, k, v = (t.view(n, self.num_heads, self.head_dim) for t in self.wqkv(hidden_states).chunk(3, dim=-1))

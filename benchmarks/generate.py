@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import _sync as sync, environment  # noqa: E402
 from decoder_layers import TINY, init_our_layer  # noqa: E402
+from flops import matmul_peak_tflops, prefill_linear_flops, vision_flops  # noqa: E402
 
 RELEASE_CONFIG = ROOT / "configs" / "deepseek_v41_flash.json"
 PHOTOS = [ROOT / "deepseek_v41_vl" / "assets" / "chelsea.png"]
@@ -187,7 +188,30 @@ def decode_case(model, inputs, steps: int, device, reps: int) -> dict:
     batch = inputs["input_ids"].shape[0]
     per_token = statistics.median(clock.per_token() for clock in clocks)
     return {"batch": batch, "prompt": inputs["input_ids"].shape[1], "ttft_s": first,
-            "decode_ms": 1e3 * per_token, "tok_s": batch / per_token, "captures": graph_captures(model) - before}
+            "decode_ms": 1e3 * per_token, "tok_s": batch / per_token, "captures": graph_captures(model) - before,
+            "prefill_tflop": prefill_tflop(model, inputs)}
+
+
+def prefill_tflop(model, inputs) -> float:
+    """TFLOP of the first token's forward (`flops.py`): the language model's linears over every
+    position of the batch (padding included) and the head over the last one per row, plus the
+    vision tower over each image."""
+    ids = inputs["input_ids"]
+    flops = prefill_linear_flops(model.model, ids.numel(), ids.shape[0])
+    grids = inputs.get("image_grid_thw")
+    if grids is not None:
+        vision_config = model.config.vision_config
+        flops += sum(vision_flops(int(h), int(w), vision_config) for _, h, w in grids.tolist())
+    return flops / 1e12
+
+
+def prefill_rate(tflop: float, seconds: float, device) -> str:
+    """Achieved TFLOP/s of a first token, and its share of the card's dense bf16 and fp8 matmul
+    peaks where `flops.matmul_peak_tflops` knows the card."""
+    rate = tflop / seconds
+    peaks = matmul_peak_tflops(device)
+    shares = ", ".join(f"{rate / peak:.0%} of {dtype}" for dtype, peak in peaks.items())
+    return f"{rate:.3g}" + (f" ({shares})" if shares else "")
 
 
 class DecodeLoop:
@@ -420,7 +444,8 @@ def main(argv=None) -> int:
     parser.add_argument("--commit", help="the commit to print (a copied tree's .git may not be the code's)")
     parser.add_argument("--steps", type=int, default=32, help="decode tokens per timed generate (>= 2)")
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--long", type=int, default=16384, help="prompt tokens of the long case")
+    parser.add_argument("--long", type=int, nargs="+", default=[16384, 65536],
+                        help="prompt tokens of the long cases (text + image), one row each")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--profile", action="store_true",
                         help="also profile decode steps of the image case: GPU kernel time per step, top kernels")
@@ -442,13 +467,15 @@ def main(argv=None) -> int:
         parser.error("--host-timeline times the replay of CUDA graphs: it needs a CUDA device")
     if args.host_timeline and args.steps < 5:
         parser.error("--host-timeline needs --steps of at least 5 (it drops the first tokens)")
+    if min(args.long) < 1:
+        parser.error("--long takes prompt sizes of at least 1 token")
     if args.reps < 1:
         parser.error("--reps must be at least 1 (each timing is the median of --reps runs)")
     if args.steps < 2:
         parser.error("--steps must be at least 2 (decode time is T(steps) - T(1))")
     device = torch.device(args.device)
     if args.quick:
-        args.long, args.steps = min(args.long, 256), min(args.steps, 4)
+        args.long, args.steps = [min(n, 256) for n in args.long], min(args.steps, 4)
     start = time.perf_counter()
     model, processor = build(device, args.quick)
     held = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
@@ -456,19 +483,23 @@ def main(argv=None) -> int:
              f"- model: released config, random weights, built in {time.perf_counter() - start:.0f} s; "
              f"{held / 2**30:.1f} GiB held (routed experts: one layer's storage shared by all MoE layers; "
              f"Engram tables {model.config.text_config.engram_num_embeddings} rows); greedy, min_new_tokens = max_new_tokens = {args.steps}, "
-             f"median of {args.reps}; decode_runner.graphs={model.model.decode_runner.graphs} (one CUDA graph per whole-model step shape; eager off CUDA)", "",
-             "| case | batch | prompt tokens | time to first token | decode ms/token | tokens/s | model forward ms/step "
-             "| graphs captured in the timed calls |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"median of {args.reps}; decode_runner.graphs={model.model.decode_runner.graphs} (one CUDA graph per whole-model step shape; eager off CUDA)",
+             "- first token TFLOP/s: the matmul FLOPs of the linears a prefill passes through (`benchmarks/flops.py`: "
+             "routed experts at top_k of n_routed, the head over the last position, the vision tower; attention scores "
+             "and the indexer's scoring not counted) over the time to first token", "",
+             "| case | batch | prompt tokens | time to first token | first token TFLOP/s | decode ms/token | tokens/s "
+             "| model forward ms/step | graphs captured in the timed calls |",
+             "|---|---|---|---|---|---|---|---|---|"]
 
     def row(name, inputs, loop=False):
         try:
             r = decode_case(model, inputs, args.steps, device, args.reps)
             own = f"{forward_loop_ms(model, inputs, args.steps, device):.1f}" if loop else ""
             lines.append(f"| {name} | {r['batch']} | {r['prompt']} | {r['ttft_s'] * 1e3:.0f} ms | "
+                         f"{prefill_rate(r['prefill_tflop'], r['ttft_s'], device)} | "
                          f"{r['decode_ms']:.1f} | {r['tok_s']:.1f} | {own} | {r['captures']} |")
         except torch.cuda.OutOfMemoryError:
-            lines.append(f"| {name} | | | OOM | | | | |")
+            lines.append(f"| {name} | | | OOM | | | | | |")
             model.__dict__.pop("_kept_cache", None)  # generate()'s static cache and its step graph
             torch.cuda.empty_cache()
         print(lines[-1], flush=True)
@@ -523,12 +554,13 @@ def main(argv=None) -> int:
         print("\n".join(lines[-3:]), flush=True)
     if "text" in args.cases:
         row("short text prompt", chat_inputs(processor, [("Name three colours.", [])], device), loop=True)
-    if "long" in args.cases:
-        long_inputs = chat_inputs(processor, [(long_text(processor, args.long), [photo])], device)
-        row(f"{args.long // 1024}K text + image", long_inputs)
+    for tokens in args.long if "long" in args.cases else []:
+        long_inputs = chat_inputs(processor, [(long_text(processor, tokens), [photo])], device)
+        size = f"{tokens // 1024}K" if tokens >= 1024 else f"{tokens}-token"
+        row(f"{size} text + image", long_inputs)
         if args.profile:
             lines += ["", *profile_call(lambda: model(**long_inputs, use_cache=True, logits_to_keep=1), device,
-                                        f"profiled prefill of the {args.long // 1024}K text + image prompt"), ""]
+                                        f"profiled prefill of the {size} text + image prompt"), ""]
             print("\n".join(lines[-30:]), flush=True)
     if "batch" in args.cases:
         for b in BATCHES if not args.quick else [1, 2]:
