@@ -33,8 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 # Block of the fp8 Engram table: one e8m0 scale per 32 values of a row.
+from ..triton_ops.engram_gate import engram_gate_torch, engram_gate_triton
+from ..triton_ops.engram_gate import kernel_runs as engram_gate_runs
 from ..triton_ops.formats import BLOCK as ENGRAM_SCALE_BLOCK
 from .configuration_deepseek_v41_vl import DeepseekV41TextConfig
+from .layers_deepseek_v41_vl import needs_grad
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, plan_for
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
 
@@ -604,8 +607,9 @@ class DeepseekV41Engram(nn.Module):
             ``weight_dtype``, the storage of `wkv`: the reference builds it in the checkpoint's
             default dtype, fp8 for the released weights, bf16 for a bf16 checkpoint).
         layer_idx: the decoder layer this Engram precedes; must be in ``engram_layer_ids``.
-        numerics: the model's plan (exact runs `wkv` through the reference's block GEMM); default
-            `config.numerics` with the environment's backends.
+        numerics: the model's plan (exact runs `wkv` through the reference's block GEMM; fast
+            runs the gate as one kernel on CUDA, `triton_ops/engram_gate.py`, the plan's
+            ``engram_gate`` backend); default `config.numerics` with the environment's backends.
 
     Raises:
         DeepseekV41EngramError: `layer_idx` is not an Engram layer, or the layout is inconsistent.
@@ -621,12 +625,13 @@ class DeepseekV41Engram(nn.Module):
         self.eps = config.rms_norm_eps
         self.gate_floor = 1e-6  # |logit| floor before the signed sqrt (`Engram.clamp_value`)
         self.n_hash_cols = layout.n_hash_cols
+        self.numerics = plan_for(config, numerics)
         self.embed = DeepseekV41EngramEmbedding(layout.num_embeddings[self.hash_index], layout.head_dim)
         self.wkv = DeepseekV41Linear(
             layout.n_hash_cols * layout.head_dim,
             config.hidden_size * (config.hc_mult + 1),
             weight_dtype=config.weight_dtype,
-            numerics=plan_for(config, numerics),
+            numerics=self.numerics,
         )
         self.q_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size, dtype=torch.bfloat16))
         self.k_weight = nn.Parameter(torch.ones(config.hc_mult, config.hidden_size, dtype=torch.bfloat16))
@@ -664,19 +669,14 @@ class DeepseekV41Engram(nn.Module):
 
         rows = self.embed(hash_ids).flatten(-2)  # [B, S, cols * head_dim] bf16
         kv = self.wkv(rows)
-        key, value = kv.split([self.hc_mult * self.hidden_size, self.hidden_size], dim=-1)
-        key = key.float().unflatten(-1, (self.hc_mult, self.hidden_size))
-        weight = self.q_weight.float() * self.k_weight.float()
-        h = hidden_states.float()
-        # RMS-normalized per (token, copy) over hidden_size, not jointly over the copies; the
-        # operation order is the reference's, so the fp32 result is bit-identical.
-        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        logit = (h * weight * key).sum(-1) * rstd * self.hidden_size**-0.5
-        # signed square root before the sigmoid, as the training kernel does
-        gate = torch.sigmoid(torch.copysign(logit.abs().clamp_min(self.gate_floor).sqrt(), logit))
-        if token_mask is not None:
-            gate = gate.masked_fill(~token_mask.bool().unsqueeze(-1), 0)
-        return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(hidden_states.dtype)
+        args = (hidden_states, kv, self.q_weight, self.k_weight, token_mask if token_mask is None else token_mask.bool())
+        if (
+            self.numerics.backend("engram_gate", kv.device) == "triton"
+            and not needs_grad(hidden_states, kv, self.q_weight, self.k_weight)
+            and engram_gate_runs(*args)
+        ):
+            return engram_gate_triton(*args, self.eps, self.gate_floor)
+        return engram_gate_torch(*args, self.eps, self.gate_floor)
 
 
 __all__ = [

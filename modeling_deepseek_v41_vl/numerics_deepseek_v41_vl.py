@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..triton_ops.dequant import ENV_BACKEND as DEQUANT_ENV
+from ..triton_ops.engram_gate import ENV_BACKEND as ENGRAM_GATE_ENV
 from ..triton_ops.fake_quant import ENV_BACKEND as FAKE_QUANT_ENV
 from ..triton_ops.hc_mix import ENV_BACKEND as HC_MIX_ENV
 from ..triton_ops.hc_sinkhorn import ENV_BACKEND as HC_SINKHORN_ENV
@@ -66,6 +67,7 @@ KERNEL_ENV: dict[str, str | None] = {
     "swiglu": SWIGLU_ENV,
     "rope": ROPE_ENV,
     "index_topk": INDEX_TOPK_ENV,
+    "engram_gate": ENGRAM_GATE_ENV,
 }
 # kernel option -> (its environment variable, the allowed values, the default); read once per plan
 KERNEL_OPTION_ENV: dict[str, tuple[str, tuple[str, ...], str]] = {
