@@ -76,7 +76,7 @@ def matmul_peak_tflops(device: torch.device) -> dict[str, float]:
     if device.type != "cuda":
         return {}
     name = torch.cuda.get_device_name(device)
-    if ("H100" in name and "HBM3" in name) or "H200" in name:  # SXM (not PCIe / NVL): the same tensor cores and clocks
+    if ("H100" in name and "HBM3" in name) or ("H200" in name and "NVL" not in name):  # SXM (not PCIe / NVL)
         return {"bf16": 989.4, "fp8": 1978.9}
     return {}
 

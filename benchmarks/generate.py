@@ -475,7 +475,7 @@ def main(argv=None) -> int:
         parser.error("--steps must be at least 2 (decode time is T(steps) - T(1))")
     device = torch.device(args.device)
     if args.quick:
-        args.long, args.steps = [min(n, 256) for n in args.long], min(args.steps, 4)
+        args.long, args.steps = list(dict.fromkeys(min(n, 256) for n in args.long)), min(args.steps, 4)
     start = time.perf_counter()
     model, processor = build(device, args.quick)
     held = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
@@ -556,7 +556,7 @@ def main(argv=None) -> int:
         row("short text prompt", chat_inputs(processor, [("Name three colours.", [])], device), loop=True)
     for tokens in args.long if "long" in args.cases else []:
         long_inputs = chat_inputs(processor, [(long_text(processor, tokens), [photo])], device)
-        size = f"{tokens // 1024}K" if tokens >= 1024 else f"{tokens}-token"
+        size = f"{tokens / 1024:g}K" if tokens >= 1024 else f"{tokens}-token"
         row(f"{size} text + image", long_inputs)
         if args.profile:
             lines += ["", *profile_call(lambda: model(**long_inputs, use_cache=True, logits_to_keep=1), device,

@@ -8,7 +8,9 @@
 
 Both register forward hooks on entry and remove them on exit, so a model pays nothing outside the
 ``with`` block. While hooks watch the model's modules, its decode steps take the layer-by-layer
-forward (`DeepseekV41DecodeRunner.applies`), so every boundary fires.
+forward (`DeepseekV41DecodeRunner.applies`), so every boundary fires, and the vision tower
+encodes one image after another (its ``packing`` off, `vision_deepseek_v41_vl.packs_images`), so
+every image's boundaries are its own.
 """
 
 from __future__ import annotations
@@ -20,6 +22,20 @@ import torch
 from torch import nn
 
 from .vision_deepseek_v41_vl import DeepseekV41VisionAligner, DeepseekV41VisionTransformer
+
+
+@contextlib.contextmanager
+def _one_image_at_a_time(*modules: nn.Module | None) -> Iterator[None]:
+    """Turn the packing of the vision tower's `modules` (ViT, aligner; None skipped) off inside
+    the block, restored on exit."""
+    held = [(m, m.packing) for m in modules if m is not None]
+    for module, _ in held:
+        module.packing = False
+    try:
+        yield
+    finally:
+        for module, packing in held:
+            module.packing = packing
 
 
 @contextlib.contextmanager
@@ -87,7 +103,8 @@ def capture_intermediates(model: nn.Module) -> Iterator[dict[str, torch.Tensor |
 
         handles.append(layer.ffn.gate.register_forward_hook(gate_out))
     try:
-        yield records
+        with _one_image_at_a_time(*((model.vision, model.aligner) if model.vision_enabled else ())):
+            yield records
     finally:
         for handle in handles:
             handle.remove()
@@ -170,7 +187,8 @@ def capture_boundaries(model: nn.Module) -> Iterator[dict[str, list[torch.Tensor
     if vision is not None:
         handles.append(vision.patch_embed.register_forward_pre_hook(record_input))
     try:
-        yield records
+        with _one_image_at_a_time(vision, aligner):
+            yield records
     finally:
         for handle in handles:
             handle.remove()

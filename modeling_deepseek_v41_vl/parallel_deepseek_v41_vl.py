@@ -419,6 +419,7 @@ def _start_process_group() -> None:
     program started stays the program's to destroy."""
     import atexit
     import os
+    import weakref
 
     import torch.distributed as dist
 
@@ -430,24 +431,30 @@ def _start_process_group() -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        atexit.register(_destroy_at_exit, dist.group.WORLD)
+        atexit.register(_destroy_at_exit, weakref.ref(dist.group.WORLD), os.getpid())
 
 
-def _destroy_at_exit(group) -> None:
-    """Destroy `group`, the default process group :func:`_start_process_group` started, at a normal
-    exit, while the interpreter is whole. A program that ends without
-    ``destroy_process_group`` leaves gloo's worker threads to the interpreter's teardown, which at
-    times aborts the process (SIGABRT, "terminate called without an active exception") after
-    its work is done. Nothing is done when the program destroyed the group itself, or when it
-    ends on an uncaught exception (another rank may still wait in a collective, and a teardown
-    then could hang instead of exiting)."""
+def _destroy_at_exit(group, pid: int) -> None:
+    """Destroy the default process group :func:`_start_process_group` started (`group`, a weak
+    reference to it) when process `pid` exits, while the interpreter is whole. A program that ends
+    without ``destroy_process_group`` leaves gloo's worker threads to the interpreter's teardown,
+    which at times aborts the process (SIGABRT, "terminate called without an active exception")
+    after its work is done.
+
+    Nothing is done in a forked child, when the program destroyed or replaced the group itself,
+    or after an uncaught exception (``sys.last_value`` set: another rank may still wait in a
+    collective, and a teardown could then hang instead of exiting). A program that catches an
+    error and calls ``sys.exit`` exits normally here; one that must not tear the group down then
+    destroys or aborts it itself. Handlers the program registered with `atexit` before the load
+    run after this one, without the group."""
+    import os
     import sys
 
     import torch.distributed as dist
 
-    if getattr(sys, "last_value", None) is not None:
+    if os.getpid() != pid or getattr(sys, "last_value", None) is not None:
         return
-    if dist.is_initialized() and dist.group.WORLD is group:
+    if dist.is_initialized() and dist.group.WORLD is group():
         dist.destroy_process_group()
 
 

@@ -63,12 +63,13 @@ class DeepseekV41VisionInputError(ValueError):
     """`pixel_values` / `image_grid_thw` that do not describe a batch of images."""
 
 
-def packs_images(numerics: DeepseekV41Numerics, device: torch.device, n_images: int) -> bool:
-    """Whether a call runs its `n_images` images through the tower packed (the row-wise ops once
-    over all images, the attention per image) rather than one image after another: in fast
-    numerics on CUDA, for more than one image. Exact numerics and the CPU keep the reference's
-    per-image loop, bit for bit."""
-    return n_images > 1 and device.type == "cuda" and not numerics.exact
+def packs_images(module: nn.Module, device: torch.device, n_images: int) -> bool:
+    """Whether `module` (the ViT or the aligner) runs a call's `n_images` images packed (the
+    row-wise ops once over all images, the attention per image) rather than one image after
+    another: in fast numerics on CUDA, for more than one image, unless its ``packing`` is off
+    (the boundary captures of `debug_deepseek_v41_vl.py` record per image). Exact numerics and
+    the CPU keep the reference's per-image loop, bit for bit."""
+    return n_images > 1 and device.type == "cuda" and not module.numerics.exact and module.packing
 
 
 def vision_grids(image_grid_thw: torch.Tensor | Sequence[Sequence[int]], num_patches: int) -> list[tuple[int, int]]:
@@ -247,6 +248,7 @@ class DeepseekV41VisionTransformer(nn.Module):
         self.config = config
         numerics = as_numerics(numerics)
         self.numerics = numerics
+        self.packing = True  # see packs_images
         self.patch_embed = DeepseekV41VisionPatchEmbed(config)
         self.rotary_emb = DeepseekV41VisionRotaryEmbedding(config)
         self.blocks = nn.ModuleList(DeepseekV41VisionBlock(config, numerics) for _ in range(config.num_hidden_layers))
@@ -314,7 +316,7 @@ class DeepseekV41VisionTransformer(nn.Module):
             return self(pixel_values, image_grid_thw), None
         patches = self.check_pixel_values(pixel_values)
         grids = vision_grids(image_grid_thw, patches.shape[0])
-        if packs_images(self.numerics, patches.device, len(grids)):
+        if packs_images(self, patches.device, len(grids)):
             states = []
             return self.forward_packed(patches, grids, states), tuple(states)
         per_image = []
@@ -343,7 +345,7 @@ class DeepseekV41VisionTransformer(nn.Module):
         """
         patches = self.check_pixel_values(pixel_values)
         grids = vision_grids(image_grid_thw, patches.shape[0])
-        if packs_images(self.numerics, patches.device, len(grids)):
+        if packs_images(self, patches.device, len(grids)):
             return self.forward_packed(patches, grids)
         chunks = patches.split([h * w for h, w in grids])
         return torch.cat([self.forward_image(x, h, w) for x, (h, w) in zip(chunks, grids)])
@@ -398,6 +400,7 @@ class DeepseekV41VisionAligner(nn.Module):
         super().__init__()
         self.downsample_ratio = config.downsample_ratio
         self.numerics = as_numerics(numerics)
+        self.packing = True  # see packs_images
         self.unfold = DeepseekV41VisionPatchUnfold(config.downsample_ratio)
         self.w1 = nn.Linear(config.hidden_size * config.downsample_ratio**2, config.out_hidden_size)
         self.w2 = nn.Linear(config.out_hidden_size, config.out_hidden_size)
@@ -420,7 +423,7 @@ class DeepseekV41VisionAligner(nn.Module):
         """
         grids = vision_grids(image_grid_thw, hidden_states.shape[0])
         chunks = hidden_states.split([h * w for h, w in grids])
-        if packs_images(self.numerics, hidden_states.device, len(grids)):
+        if packs_images(self, hidden_states.device, len(grids)):
             return self.project(torch.cat([self.unfold(x, h, w) for x, (h, w) in zip(chunks, grids)]))
         return torch.cat([self.forward_image(x, h, w) for x, (h, w) in zip(chunks, grids)])
 

@@ -1,6 +1,7 @@
-"""`benchmarks/flops.py`: the FLOPs the benchmarks divide by a measured time are the matmuls a
-forward runs, counted from what the modules compute (forward hooks on every linear and the gate,
-the experts the router picked), not from the same formula."""
+"""`benchmarks/flops.py`: the FLOPs the benchmarks divide by a measured time. The prefill's count
+is checked against what the golden tiny models' prefills multiply, counted by forward hooks on
+every linear and the gate (the experts the router picked), not by the same formula; the vision
+tower's (whose attention products no hook sees) against a count by hand."""
 
 from __future__ import annotations
 

@@ -172,18 +172,26 @@ def test_patches_of_one_image_do_not_reach_another(tower, inputs):
 # fast numerics on CUDA: the images of a call packed (the row-wise ops once, attention per image)
 # ------------------------------------------------------------------------------------------------
 def test_packing_is_for_several_images_in_fast_numerics_on_cuda():
-    fast, exact = as_numerics("fast"), as_numerics("exact")
+    from types import SimpleNamespace
+
+    fast, exact = SimpleNamespace(numerics=as_numerics("fast"), packing=True), SimpleNamespace(numerics=as_numerics("exact"), packing=True)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert packs_images(fast, cuda, 2)
     assert not packs_images(fast, cuda, 1)
     assert not packs_images(exact, cuda, 3)  # the reference's loop
     assert not packs_images(fast, cpu, 3)  # the CPU keeps the golden bits
+    assert not packs_images(SimpleNamespace(numerics=as_numerics("fast"), packing=False), cuda, 3)  # a capture's
+
+
+def _forced(module, device, n_images) -> bool:
+    """`packs_images` as on CUDA in fast numerics, for the CPU's tensors."""
+    return n_images > 1 and module.packing
 
 
 @pytest.fixture
 def packing(monkeypatch):
     """The packed path forced on the CPU (it is chosen on CUDA only)."""
-    monkeypatch.setattr(vision_module, "packs_images", lambda numerics, device, n_images: n_images > 1)
+    monkeypatch.setattr(vision_module, "packs_images", _forced)
 
 
 def test_packed_images_are_the_per_image_tower(tower, inputs, golden_outputs, monkeypatch):
@@ -193,7 +201,7 @@ def test_packed_images_are_the_per_image_tower(tower, inputs, golden_outputs, mo
         looped = tower.aligner(looped_vit, grids)
         calls = []
         monkeypatch.setattr(vision_module, "_image_attention", _counting(vision_module._image_attention, calls))
-        monkeypatch.setattr(vision_module, "packs_images", lambda numerics, device, n_images: n_images > 1)
+        monkeypatch.setattr(vision_module, "packs_images", _forced)
         packed_vit, packed_states = tower.vision.forward_with_hidden_states(torch.cat(pixel_values), grids)
         # one attention per image and block, over that image's rows
         assert calls == [n for _ in tower.vision.blocks for n in _patch_counts(grids)]
@@ -216,6 +224,21 @@ def test_packed_images_do_not_reach_each_other(tower, inputs, packing):
     n0 = 6 * 7
     assert torch.equal(base[:n0], moved[:n0]) and not torch.equal(base[n0:], moved[n0:])
     assert torch.equal(base[n0:], moved_first[n0:]) and not torch.equal(base[:n0], moved_first[:n0])
+
+
+def test_captures_record_each_packed_image_on_its_own(tower, inputs, packing):
+    """While the boundaries are captured the tower encodes one image after another (its packing
+    off), so each boundary holds one record per image, as without packing; packing is back after."""
+    pixel_values, grids = inputs
+    with torch.inference_mode(), capture_boundaries(tower) as records:
+        out = tower(torch.cat(pixel_values), grids)
+    assert tower.vision.packing and tower.aligner.packing
+    counts = _patch_counts(grids)
+    for name in ("patches", "patch_embed", "block0_out", "vit_out"):
+        assert [r.shape[0] for r in records[name]] == counts, name
+    cells = [llm_grid(h, w, 3)[0] * llm_grid(h, w, 3)[1] for _, h, w in grids]
+    assert [r.shape[0] for r in records["aligner_out"]] == cells
+    assert torch.equal(torch.cat(records["aligner_out"]), out)
 
 
 def _patch_counts(grids) -> list[int]:
