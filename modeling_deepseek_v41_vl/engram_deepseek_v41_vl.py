@@ -35,14 +35,16 @@ from torch import nn
 # Block of the fp8 Engram table: one e8m0 scale per 32 values of a row.
 from ..triton_ops.engram_gate import engram_gate_torch, engram_gate_triton
 from ..triton_ops.engram_gate import kernel_runs as engram_gate_runs
+# DEAD: a compressed id that stops every n-gram reaching back over it (`NgramHashState.DEAD`)
+from ..triton_ops.engram_hash import DEAD, ngram_hash_triton
+from ..triton_ops.engram_hash import kernel_runs as ngram_hash_runs
+from ..triton_ops.engram_hash import ngram_hash_torch as ngram_hash_ids
 from ..triton_ops.formats import BLOCK as ENGRAM_SCALE_BLOCK
 from .configuration_deepseek_v41_vl import DeepseekV41TextConfig
 from .layers_deepseek_v41_vl import needs_grad
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, plan_for
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
 
-# A compressed id that stops every n-gram reaching back over it (`NgramHashState.DEAD`).
-DEAD = -1
 
 
 class DeepseekV41EngramError(ValueError):
@@ -287,49 +289,6 @@ class DeepseekV41EngramLayout:
 # --------------------------------------------------------------------------------------------
 
 
-def ngram_hash_ids(
-    compressed_ids: torch.Tensor,
-    history: torch.Tensor,
-    pad_id: int,
-    multipliers: torch.Tensor,
-    primes: torch.Tensor,
-    offsets: torch.Tensor,
-) -> torch.Tensor:
-    """Hash ids of the n-grams ending at each position.
-
-    Args:
-        compressed_ids: int64 ``[B, L]``, :data:`DEAD` where a position takes no part in n-grams.
-        history: int64 ``[B, N - 1]``, the compressed ids just before ``compressed_ids`` (oldest
-            first), DEAD where there is none.
-        pad_id: compressed id that fills the look-back slots cut off by a DEAD.
-        multipliers: int64 ``[n_layers, N]``; primes: int64 ``[n_layers, N - 1, heads]``;
-        offsets: int64 ``[n_layers, (N - 1) * heads]``.
-
-    Returns:
-        int64 ``[B, L, n_layers, (N - 1) * heads]``.
-
-    Shift k reads the id k positions back; once one shift meets a DEAD, it and every longer shift
-    take `pad_id` (the cut-off is cumulative). The (k + 1)-gram hash is the XOR of the products
-    id_j * multiplier_j for j <= k, taken modulo its head's prime.
-    """
-    span = history.size(1)
-    length = compressed_ids.size(1)
-    window = torch.cat([history, compressed_ids], dim=1)
-    blocked = torch.zeros_like(compressed_ids, dtype=torch.bool)
-    tokens = []
-    for shift in range(span + 1):
-        source = window[:, span - shift : span - shift + length]
-        blocked = blocked | (source == DEAD)
-        tokens.append(torch.where(blocked, pad_id, source))
-    products = torch.stack(tokens, dim=-1).unsqueeze(2) * multipliers  # [B, L, n_layers, N]
-    rolling = products[..., 0]
-    columns = []
-    for n in range(1, span + 1):
-        rolling = rolling ^ products[..., n]
-        columns.append(rolling.unsqueeze(-1) % primes[:, n - 1])
-    return torch.cat(columns, dim=-1) + offsets
-
-
 class DeepseekV41EngramHash(nn.Module):
     """Token ids -> Engram hash ids of every Engram layer, with a history carried across calls.
 
@@ -345,8 +304,9 @@ class DeepseekV41EngramHash(nn.Module):
             weights). It is -1 until :meth:`set_token_map` or a state-dict load fills it.
     """
 
-    def __init__(self, config: DeepseekV41TextConfig):
+    def __init__(self, config: DeepseekV41TextConfig, numerics: DeepseekV41Numerics | str | None = None):
         super().__init__()
+        self.numerics = plan_for(config, numerics)
         self.layout = DeepseekV41EngramLayout.from_config(config)
         if not 0 <= config.engram_pad_token_id < config.vocab_size:
             raise DeepseekV41EngramError(f"engram_pad_token_id {config.engram_pad_token_id} is not a token id")
@@ -499,8 +459,9 @@ class DeepseekV41EngramHash(nn.Module):
             raise DeepseekV41EngramError(
                 f"history has shape {tuple(history.shape)}, expected ({batch}, {self.layout.history_len})"
             )
-        multipliers, primes, offsets = self.layout_tensors(input_ids.device)
-        hash_ids = ngram_hash_ids(compressed, history.to(torch.int64), pad_id, multipliers, primes, offsets)
+        args = (compressed, history.to(torch.int64), pad_id, *self.layout_tensors(input_ids.device))
+        use_kernel = self.numerics.backend("engram_hash", input_ids.device) == "triton" and ngram_hash_runs(*args)
+        hash_ids = (ngram_hash_triton if use_kernel else ngram_hash_ids)(*args)
         new_history = torch.cat([history.to(torch.int64), compressed], dim=1)[:, -self.layout.history_len :]
         return hash_ids, new_history
 

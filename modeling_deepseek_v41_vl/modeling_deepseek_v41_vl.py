@@ -102,7 +102,7 @@ class DeepseekV41Transformer(DeepseekV41ImageInputsMixin, DeepseekV41DraftMixin,
         self.norm = DeepseekV41RMSNorm(dim, text.rms_norm_eps, numerics)
         self.head = DeepseekV41Head(text.vocab_size, dim)
         self.hc = DeepseekV41HyperConnection(text.hc_mult, text.hc_sinkhorn_iters, text.hc_eps, text.rms_norm_eps, numerics)
-        self.engram_hash = DeepseekV41EngramHash(text) if text.engram_layer_ids else None
+        self.engram_hash = DeepseekV41EngramHash(text, numerics) if text.engram_layer_ids else None
         self.vision_enabled = config.vision_config.num_hidden_layers > 0
         if self.vision_enabled:
             with default_dtype(torch.bfloat16):

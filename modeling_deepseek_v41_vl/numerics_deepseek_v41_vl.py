@@ -33,6 +33,7 @@ from torch import nn
 
 from ..triton_ops.dequant import ENV_BACKEND as DEQUANT_ENV
 from ..triton_ops.engram_gate import ENV_BACKEND as ENGRAM_GATE_ENV
+from ..triton_ops.engram_hash import ENV_BACKEND as ENGRAM_HASH_ENV
 from ..triton_ops.fake_quant import ENV_BACKEND as FAKE_QUANT_ENV
 from ..triton_ops.hc_mix import ENV_BACKEND as HC_MIX_ENV
 from ..triton_ops.hc_sinkhorn import ENV_BACKEND as HC_SINKHORN_ENV
@@ -68,6 +69,7 @@ KERNEL_ENV: dict[str, str | None] = {
     "rope": ROPE_ENV,
     "index_topk": INDEX_TOPK_ENV,
     "engram_gate": ENGRAM_GATE_ENV,
+    "engram_hash": ENGRAM_HASH_ENV,
 }
 # kernel option -> (its environment variable, the allowed values, the default); read once per plan
 KERNEL_OPTION_ENV: dict[str, tuple[str, tuple[str, ...], str]] = {
@@ -75,7 +77,7 @@ KERNEL_OPTION_ENV: dict[str, tuple[str, tuple[str, ...], str]] = {
     "moe_experts_mma": (MOE_EXPERTS_MMA_ENV, MOE_EXPERTS_MMA_CHOICES, MOE_EXPERTS_DEFAULT_MMA),
 }
 # kernels whose outputs equal their torch fallbacks bit for bit: exact numerics may run them
-BITWISE_OPS = frozenset({"dequant", "fake_quant", "vision_rope"})
+BITWISE_OPS = frozenset({"dequant", "fake_quant", "vision_rope", "engram_hash"})
 
 # Fast numerics bound the largest intermediates by splitting the queries into chunks; exact keeps
 # the reference's single-call shapes (CPU GEMM rounding may depend on them).
