@@ -532,6 +532,25 @@ def test_vision_tower_real_width_gpu_bf16_matches_cpu_fp32():
     assert _METRICS["vision_real_width"]["rel_l2"] < 0.02, _METRICS["vision_real_width"]
 
 
+def test_packed_images_on_cuda_are_their_one_image_calls():
+    """Fast numerics on CUDA pack a call's images (`packs_images`): each image's aligner rows are
+    its one-image call's up to the GEMMs' rounding over more rows, and an image changed leaves
+    the others' rows as they were."""
+    tower = to_bf16_weights(real_vision_tower()).to(CUDA)
+    grids = [(20, 28), (9, 7), (1, 4)]
+    g = torch.Generator().manual_seed(6)
+    pixels = [(torch.rand(h * w, 3 * 14 * 14, generator=g) * 2 - 1).to(torch.bfloat16).to(CUDA) for h, w in grids]
+    with torch.no_grad():
+        packed = tower(torch.cat(pixels), [[1, h, w] for h, w in grids])
+        alone = torch.cat([tower(p, [[1, h, w]]) for p, (h, w) in zip(pixels, grids)])
+        moved = tower(torch.cat([pixels[0], pixels[1].flip(0), pixels[2]]), [[1, h, w] for h, w in grids])
+    assert tower.vision.packing and packed.shape == alone.shape
+    assert rel_l2(packed, alone) < 1e-2
+    first, second = 7 * 10, 7 * 10 + 3 * 3
+    assert not torch.equal(moved[first:second], packed[first:second])
+    assert rel_l2(moved[:first], packed[:first]) < 1e-2 and rel_l2(moved[second:], packed[second:]) < 1e-2
+
+
 def test_vision_attention_runs_on_a_fused_sdpa_kernel():
     """The ViT attention must reach flash / memory-efficient SDPA in bf16: the math fallback
     materializes [heads, N, N] scores (16 x 8649^2 for a maximum-budget image, per block)."""
@@ -1259,6 +1278,59 @@ def test_index_topk_kernel_keeps_the_torch_ops_positions(width):
     graph, out = torch.cuda.CUDAGraph(), None
     with torch.cuda.graph(graph):
         out = index_topk_triton(s, visible, k, 128)
+    graph.replay()
+    assert torch.equal(out, got)
+
+
+@pytest.mark.parametrize(("tokens", "masked"), [(1, False), (4096, True)])
+def test_engram_gate_kernel_close_to_the_torch_ops(tokens, masked):
+    """The Engram gate in one launch (`triton_ops/engram_gate.py`), compiled, at the release's
+    width (4 copies x 5120): within a bf16 ulp of the torch ops, masked tokens passed through
+    exactly; graph-capturable."""
+    from deepseek_v41_vl.triton_ops.engram_gate import engram_gate_torch, engram_gate_triton
+
+    _require_compiled_triton()
+    gen = torch.Generator(device=CUDA).manual_seed(tokens)
+    hidden = torch.randn(1, tokens, 4, 5120, generator=gen, device=CUDA).to(torch.bfloat16)
+    kv = torch.randn(1, tokens, 5 * 5120, generator=gen, device=CUDA).to(torch.bfloat16)
+    q, k = ((torch.rand(4, 5120, generator=gen, device=CUDA) + 0.5).to(torch.bfloat16) for _ in range(2))
+    mask = (torch.rand(1, tokens, generator=gen, device=CUDA) < 0.7) if masked else None
+    got = engram_gate_triton(hidden, kv, q, k, mask, 1e-6, 1e-6)
+    want = engram_gate_torch(hidden, kv, q, k, mask, 1e-6, 1e-6)
+    assert rel_l2(got, want) < 2e-3
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7).all()
+    if masked:
+        assert torch.equal(got[~mask], hidden[~mask])
+    graph, out = torch.cuda.CUDAGraph(), None
+    with torch.cuda.graph(graph):
+        out = engram_gate_triton(hidden, kv, q, k, mask, 1e-6, 1e-6)
+    graph.replay()
+    assert torch.equal(out, got)
+
+
+@pytest.mark.parametrize("length", [1, 3000])
+def test_engram_hash_kernel_equals_the_torch_ops(length):
+    """The Engram n-gram hash in one launch (`triton_ops/engram_hash.py`), compiled, with the
+    release's layout: bit for bit the torch ops; graph-capturable."""
+    from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
+    from deepseek_v41_vl.modeling.engram_deepseek_v41_vl import DeepseekV41EngramLayout
+    from deepseek_v41_vl.triton_ops.engram_hash import DEAD, ngram_hash_torch, ngram_hash_triton
+
+    _require_compiled_triton()
+    root = Path(__file__).resolve().parents[1]
+    config = DeepseekV41Config(**json.loads((root / "configs" / "deepseek_v41_flash.json").read_text()))
+    layout = DeepseekV41EngramLayout.from_config(config.text_config)
+    constants = [torch.tensor(t, device=CUDA) for t in (layout.multipliers(), layout.primes, layout.offsets())]
+    gen = torch.Generator(device=CUDA).manual_seed(length)
+    ids = torch.randint(0, layout.compressed_vocab_size, (4, length), generator=gen, device=CUDA)
+    ids = torch.where(torch.rand(4, length, generator=gen, device=CUDA) < 0.1, DEAD, ids)
+    history = torch.randint(0, layout.compressed_vocab_size, (4, layout.history_len), generator=gen, device=CUDA)
+    history[0] = DEAD
+    got = ngram_hash_triton(ids, history, 3, *constants)
+    assert torch.equal(got, ngram_hash_torch(ids, history, 3, *constants))
+    graph, out = torch.cuda.CUDAGraph(), None
+    with torch.cuda.graph(graph):
+        out = ngram_hash_triton(ids, history, 3, *constants)
     graph.replay()
     assert torch.equal(out, got)
 
