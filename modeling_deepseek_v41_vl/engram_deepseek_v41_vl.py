@@ -32,19 +32,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Block of the fp8 Engram table: one e8m0 scale per 32 values of a row.
 from ..triton_ops.engram_gate import engram_gate_torch, engram_gate_triton
 from ..triton_ops.engram_gate import kernel_runs as engram_gate_runs
 # DEAD: a compressed id that stops every n-gram reaching back over it (`NgramHashState.DEAD`)
 from ..triton_ops.engram_hash import DEAD, ngram_hash_triton
 from ..triton_ops.engram_hash import kernel_runs as ngram_hash_runs
 from ..triton_ops.engram_hash import ngram_hash_torch as ngram_hash_ids
+# Block of the fp8 Engram table: one e8m0 scale per 32 values of a row.
 from ..triton_ops.formats import BLOCK as ENGRAM_SCALE_BLOCK
 from .configuration_deepseek_v41_vl import DeepseekV41TextConfig
 from .layers_deepseek_v41_vl import needs_grad
 from .numerics_deepseek_v41_vl import DeepseekV41Numerics, plan_for
 from .quantization_deepseek_v41_vl import DeepseekV41Linear
-
 
 
 class DeepseekV41EngramError(ValueError):

@@ -59,6 +59,7 @@ from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Vi
 from deepseek_v41_vl.modeling.debug_deepseek_v41_vl import capture_intermediates  # noqa: E402
 from deepseek_v41_vl.modeling.vision_deepseek_v41_vl import (
     DeepseekV41VisionAttention,
+    packs_images,
     vision_rope_tables,
 )
 
@@ -544,11 +545,15 @@ def test_packed_images_on_cuda_are_their_one_image_calls():
         packed = tower(torch.cat(pixels), [[1, h, w] for h, w in grids])
         alone = torch.cat([tower(p, [[1, h, w]]) for p, (h, w) in zip(pixels, grids)])
         moved = tower(torch.cat([pixels[0], pixels[1].flip(0), pixels[2]]), [[1, h, w] for h, w in grids])
-    assert tower.vision.packing and packed.shape == alone.shape
-    assert rel_l2(packed, alone) < 1e-2
+    assert packs_images(tower.vision, CUDA, 3) and packs_images(tower.aligner, CUDA, 3)
+    assert packed.shape == alone.shape
     first, second = 7 * 10, 7 * 10 + 3 * 3
+    cosine = F.cosine_similarity(packed.double(), alone.double(), dim=-1)
+    _METRICS["vision_packed"] = {"rel_l2": rel_l2(packed, alone), "min_row_cosine": cosine.min().item()}
+    assert cosine.min().item() > 0.999 and _METRICS["vision_packed"]["rel_l2"] < 0.02, _METRICS["vision_packed"]
     assert not torch.equal(moved[first:second], packed[first:second])
-    assert rel_l2(moved[:first], packed[:first]) < 1e-2 and rel_l2(moved[second:], packed[second:]) < 1e-2
+    # another image's rows move by the GEMMs' rounding at most, never by its attention
+    assert rel_l2(moved[:first], packed[:first]) < 1e-3 and rel_l2(moved[second:], packed[second:]) < 1e-3
 
 
 def test_vision_attention_runs_on_a_fused_sdpa_kernel():
@@ -1282,23 +1287,24 @@ def test_index_topk_kernel_keeps_the_torch_ops_positions(width):
     assert torch.equal(out, got)
 
 
-@pytest.mark.parametrize(("tokens", "masked"), [(1, False), (4096, True)])
-def test_engram_gate_kernel_close_to_the_torch_ops(tokens, masked):
+@pytest.mark.parametrize(("tokens", "hc", "dim", "masked"), [(1, 4, 5120, False), (4096, 4, 5120, True), (3, 2, 1100, True)])
+def test_engram_gate_kernel_close_to_the_torch_ops(tokens, hc, dim, masked):
     """The Engram gate in one launch (`triton_ops/engram_gate.py`), compiled, at the release's
-    width (4 copies x 5120): within a bf16 ulp of the torch ops, masked tokens passed through
-    exactly; graph-capturable."""
+    width (4 copies x 5120) and an odd one: within a bf16 ulp of the torch ops (or ~1e-7 of the
+    value where the sum nearly cancels), masked tokens passed through exactly; graph-capturable."""
     from deepseek_v41_vl.triton_ops.engram_gate import engram_gate_torch, engram_gate_triton
 
     _require_compiled_triton()
     gen = torch.Generator(device=CUDA).manual_seed(tokens)
-    hidden = torch.randn(1, tokens, 4, 5120, generator=gen, device=CUDA).to(torch.bfloat16)
-    kv = torch.randn(1, tokens, 5 * 5120, generator=gen, device=CUDA).to(torch.bfloat16)
-    q, k = ((torch.rand(4, 5120, generator=gen, device=CUDA) + 0.5).to(torch.bfloat16) for _ in range(2))
+    hidden = torch.randn(1, tokens, hc, dim, generator=gen, device=CUDA).to(torch.bfloat16)
+    kv = torch.randn(1, tokens, (hc + 1) * dim, generator=gen, device=CUDA).to(torch.bfloat16)
+    q, k = ((torch.rand(hc, dim, generator=gen, device=CUDA) + 0.5).to(torch.bfloat16) for _ in range(2))
     mask = (torch.rand(1, tokens, generator=gen, device=CUDA) < 0.7) if masked else None
     got = engram_gate_triton(hidden, kv, q, k, mask, 1e-6, 1e-6)
     want = engram_gate_torch(hidden, kv, q, k, mask, 1e-6, 1e-6)
     assert rel_l2(got, want) < 2e-3
-    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7).all()
+    value = kv[..., hc * dim :].float().abs().unsqueeze(-2)
+    assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 2**-17 * value).all()
     if masked:
         assert torch.equal(got[~mask], hidden[~mask])
     graph, out = torch.cuda.CUDAGraph(), None
@@ -1308,8 +1314,8 @@ def test_engram_gate_kernel_close_to_the_torch_ops(tokens, masked):
     assert torch.equal(out, got)
 
 
-@pytest.mark.parametrize("length", [1, 3000])
-def test_engram_hash_kernel_equals_the_torch_ops(length):
+@pytest.mark.parametrize(("batch", "length", "pad"), [(4, 1, 3), (1, 1, 1), (4, 3000, 0)])
+def test_engram_hash_kernel_equals_the_torch_ops(batch, length, pad):
     """The Engram n-gram hash in one launch (`triton_ops/engram_hash.py`), compiled, with the
     release's layout: bit for bit the torch ops; graph-capturable."""
     from deepseek_v41_vl.modeling.configuration_deepseek_v41_vl import DeepseekV41Config
@@ -1322,15 +1328,15 @@ def test_engram_hash_kernel_equals_the_torch_ops(length):
     layout = DeepseekV41EngramLayout.from_config(config.text_config)
     constants = [torch.tensor(t, device=CUDA) for t in (layout.multipliers(), layout.primes, layout.offsets())]
     gen = torch.Generator(device=CUDA).manual_seed(length)
-    ids = torch.randint(0, layout.compressed_vocab_size, (4, length), generator=gen, device=CUDA)
-    ids = torch.where(torch.rand(4, length, generator=gen, device=CUDA) < 0.1, DEAD, ids)
-    history = torch.randint(0, layout.compressed_vocab_size, (4, layout.history_len), generator=gen, device=CUDA)
-    history[0] = DEAD
-    got = ngram_hash_triton(ids, history, 3, *constants)
-    assert torch.equal(got, ngram_hash_torch(ids, history, 3, *constants))
+    ids = torch.randint(0, layout.compressed_vocab_size, (batch, length), generator=gen, device=CUDA)
+    ids = torch.where(torch.rand(batch, length, generator=gen, device=CUDA) < 0.1, DEAD, ids)
+    history = torch.randint(0, layout.compressed_vocab_size, (batch, layout.history_len), generator=gen, device=CUDA)
+    history[0, 0] = DEAD
+    got = ngram_hash_triton(ids, history, pad, *constants)
+    assert torch.equal(got, ngram_hash_torch(ids, history, pad, *constants))
     graph, out = torch.cuda.CUDAGraph(), None
     with torch.cuda.graph(graph):
-        out = ngram_hash_triton(ids, history, 3, *constants)
+        out = ngram_hash_triton(ids, history, pad, *constants)
     graph.replay()
     assert torch.equal(out, got)
 

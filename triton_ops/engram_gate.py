@@ -13,9 +13,11 @@ well that copy matches its key::
 In torch (:func:`engram_gate_torch`, the reference's op order, what exact numerics and the CPU
 run) that is about twenty launches over ``[B, S, hc, D]`` fp32 tensors. This kernel runs one
 program per (token, copy): the three sums in one pass over the row, the gate, then the output
-in a second pass. Its sums add in another order than torch's and its square roots are the GPU's
-IEEE-rounded ones, so a gate may differ in the last fp32 bits and an output by one bf16 ulp now
-and then: only fast numerics use it. A masked token's copies come out as their input, exactly.
+in a second pass. Its sums add in another order than torch's, its square roots are the GPU's
+IEEE-rounded ones and the compiled ``h + gate * value`` may be one fused multiply-add, so a gate
+may differ in the last fp32 bits and an output by one bf16 ulp now and then, or, where ``h`` and
+``gate * value`` nearly cancel, by about 1e-7 of ``|value|``: only fast numerics use it. A masked
+token's copies come out as their input, exactly; a NaN logit gives a NaN gate, as in torch.
 
 bf16 in and out on the bits (the interpreter's casts truncate). No host synchronisation and only
 the output allocation: CUDA-graph capturable once compiled. Mirrors `inference/model.py: Engram`
@@ -107,6 +109,7 @@ if triton is not None:
         root = tl.sqrt_rn(tl.maximum(tl.abs(logit), floor))
         signed = tl.where(logit.to(tl.int32, bitcast=True) < 0, -root, root)  # copysign: -0 too
         gate = tl.div_rn(1.0, 1.0 + tl.exp(-signed))
+        gate = tl.where(logit != logit, logit, gate)  # NaN stays NaN (the GPU's maximum drops it)
         if HAS_MASK:
             gate = tl.where(tl.load(mask_ptr + token) != 0, gate, 0.0)
         out_row = out_ptr + pid * D
