@@ -111,6 +111,7 @@ def test_a_zero_row_and_huge_values():
         (lambda a: a.update(slot=3), "slot must be a tensor"),
         (lambda a: a.update(kv=None), "kv must be a tensor"),
         (lambda a: a.update(kv=a["kv"].requires_grad_()), "no backward"),
+        (lambda a: a.update({k: v.to("meta") for k, v in a.items()}), "runs on CUDA"),  # not the interpreter's
     ],
 )
 def test_bad_arguments_are_refused_by_name(change, message):

@@ -130,8 +130,6 @@ def _problem(scores, visible, k, offset) -> str | None:
         return f"offset must be an int from 0 to {_INT32_MAX} - W (int32 indices), got {offset!r}"
     if scores.device != visible.device:
         return f"scores are on {scores.device}, visible on {visible.device}"
-    if scores.device.type not in ("cuda", "cpu"):
-        return f"index_topk_triton runs on CUDA (or the CPU under Triton's interpreter), got {scores.device.type}"
     return unrunnable(scores.device, _kernel_is_interpreted(), "index_topk_triton")
 
 

@@ -44,11 +44,14 @@ def kernel_interpreted(kernel) -> bool:
 
 
 def unrunnable(device: torch.device, interpreted: bool, what: str) -> str | None:
-    """Why a Triton kernel cannot run on tensors of `device`, or None: Triton missing, or a
-    non-CUDA device while the kernel is not interpreted (`interpreted`: defined under the
-    interpreter, `kernel_interpreted`) or the interpreter is off. `what` names the op."""
+    """Why a Triton kernel cannot run on tensors of `device`, or None: Triton missing, a device
+    that is neither CUDA nor the CPU (meta, another accelerator), or the CPU while the kernel is
+    not interpreted (`interpreted`: defined under the interpreter, `kernel_interpreted`) or the
+    interpreter is off. `what` names the op."""
     if not triton_available():
         return f"{what} needs the triton package, which is not installed"
+    if device.type not in ("cuda", "cpu"):
+        return f"{what} runs on CUDA (or the CPU under Triton's interpreter), got {device.type}"
     if device.type != "cuda" and not (interpreted and triton_interpret_mode()):
         return (f"{what} needs CUDA tensors (got {device.type}) or Triton's interpreter "
                 "(TRITON_INTERPRET=1 before this module is imported)")
